@@ -1,0 +1,176 @@
+"""The engine loop: schedule → run → postprocess, over a paged KV cache.
+
+``LLMEngine`` takes requests (``add_request``), advances every unfinished one by a step
+(``step``) and hands back those that finished. It is the core that the offline ``LLM``, the
+colocated baseline and the workers build on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import model_config_for, open_model
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import PagedKVCache
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_name = str(model)
+        self.model_config = model_config_for(model)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer = open_model(model, self.dtype, self.device, self.max_model_len, progress=progress)
+        kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        num_blocks = config.num_kv_blocks or config.blocks_for_memory(self.model_config, kv_dtype)
+        self.cache = PagedKVCache(self.model_config, num_blocks, config.block_size, kv_dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler(config.seed)
+        self._requests: dict[str, Sequence] = {}
+        self._prompts: dict[str, str | None] = {}
+        self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
+
+    # ---- requests ---------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Text → token ids (with BOS), or validate a list of token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
+                "including at least one generated token"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"request needs up to {longest} tokens of KV cache but the cache holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
+            )
+        for t in params.stop_token_ids:
+            if t >= self.model_config.vocab_size:
+                raise InvalidRequestError(f"stop_token_ids entry {t} is outside the vocabulary")
+        seq = Sequence(prompt_token_ids=ids, params=params, request_id=request_id or "")
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._requests[seq.request_id] = seq
+        self._prompts[seq.request_id] = prompt if isinstance(prompt, str) else None
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits, sampling = self.runner.run(batch)
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += count
+            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        finished = []
+        if sampling:
+            seqs = [batch.seqs[i] for i in sampling]
+            tokens, logprobs = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+            now = time.monotonic()
+            for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+                seq.status = SequenceStatus.RUNNING
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._append_token(seq, token, lp)
+                if seq.is_finished:
+                    finished.append(self._release(seq))
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        params = seq.params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        reason = None
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason = "stop"
+            elif params.stop:
+                text = self.tokenizer.decode(seq.output_token_ids)
+                hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+                if hits:
+                    seq.stop_text_len = min(hits)
+                    reason = "stop"
+        if reason is None and (num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _release(self, seq: Sequence) -> RequestOutput:
+        del self._requests[seq.request_id]
+        prompt = self._prompts.pop(seq.request_id)
+        self.sampler.forget(seq.seq_id)
+        seq.finish_time = time.monotonic()
+        text = self.tokenizer.decode(seq.output_token_ids)
+        if seq.stop_text_len is not None:
+            text = text[: seq.stop_text_len]
+        metrics = {"latency_s": seq.finish_time - seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["ttft_s"] = seq.first_token_time - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason or "abort",
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            metrics=metrics,
+        )

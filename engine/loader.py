@@ -1,0 +1,179 @@
+"""Loads a Hugging Face checkpoint directory into a LlamaModel, fusing QKV and gate_up.
+
+Reads config.json, then model.safetensors or the shards named by
+model.safetensors.index.json. Every tensor is shape-checked against the model before it is
+copied in; missing, corrupt or mis-shaped files raise CheckpointError saying which file and
+which tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.model import LlamaModel
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF tensor suffix → (our parameter name, which part of a fused tensor, or None)
+_LAYER_TENSORS = {
+    "self_attn.q_proj.weight": ("qkv_weight", "q"),
+    "self_attn.k_proj.weight": ("qkv_weight", "k"),
+    "self_attn.v_proj.weight": ("qkv_weight", "v"),
+    "self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_bias", "v"),
+    "self_attn.o_proj.weight": ("o_weight", None),
+    "self_attn.o_proj.bias": ("o_bias", None),
+    "mlp.gate_proj.weight": ("gate_up_weight", "gate"),
+    "mlp.up_proj.weight": ("gate_up_weight", "up"),
+    "mlp.gate_proj.bias": ("gate_up_bias", "gate"),
+    "mlp.up_proj.bias": ("gate_up_bias", "up"),
+    "mlp.down_proj.weight": ("down_weight", None),
+    "mlp.down_proj.bias": ("down_bias", None),
+    "input_layernorm.weight": ("input_norm_weight", None),
+    "post_attention_layernorm.weight": ("post_attention_norm_weight", None),
+}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: a checkpoint directory needs config.json")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return ModelConfig.from_hf_dict(hf)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of a checkpoint, single-file or sharded, all checked to exist."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index} is malformed: {err}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"weight shard {file} named by the index is missing")
+    return files
+
+
+def load_weights(model: LlamaModel, model_dir: str | Path, *, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into ``model`` (fusing as it goes); verify all were set."""
+    config = model.config
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    files = safetensors_files(model_dir)
+    names_by_file = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names_by_file.append((file, list(handle.keys())))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file} is not a readable safetensors file: {err}") from None
+    total = sum(len(names) for _, names in names_by_file)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for file, names in names_by_file:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in names:
+                    target = _target(name, config)
+                    if target is not None:
+                        tensor = handle.get_tensor(name)
+                        param_name, rows = target
+                        _copy(params, filled, param_name, rows, tensor, name, file)
+                    bar.update(1)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file} is corrupt: {err}") from None
+    bar.close()
+    missing = [name for name, count in filled.items() if count < params[name].shape[0]]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+
+
+def _target(hf_name: str, config: ModelConfig) -> tuple[str, slice] | None:
+    """Our parameter and the row range an HF tensor fills, or None for tensors we skip."""
+    if _IGNORED.search(hf_name):
+        return None
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_weight", slice(None)
+    if hf_name == "model.norm.weight":
+        return "norm_weight", slice(None)
+    if hf_name == "lm_head.weight":
+        return (None if config.tie_word_embeddings else ("lm_head_weight", slice(None)))
+    match = _LAYER.match(hf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise CheckpointError(f"unexpected tensor {hf_name!r} in checkpoint")
+    layer = int(match.group(1))
+    if layer >= config.num_layers:
+        raise CheckpointError(f"tensor {hf_name!r} is for layer {layer}, but the model has {config.num_layers}")
+    param, part = _LAYER_TENSORS[match.group(2)]
+    return f"layers.{layer}.{param}", _fused_rows(part, config)
+
+
+def _fused_rows(part: str | None, c: ModelConfig) -> slice:
+    if part is None:
+        return slice(None)
+    if part == "q":
+        return slice(0, c.q_size)
+    if part == "k":
+        return slice(c.q_size, c.q_size + c.kv_size)
+    if part == "v":
+        return slice(c.q_size + c.kv_size, c.qkv_size)
+    if part == "gate":
+        return slice(0, c.intermediate_size)
+    return slice(c.intermediate_size, 2 * c.intermediate_size)  # up
+
+
+def _copy(params, filled, param_name, rows, tensor, hf_name, file) -> None:
+    if param_name not in params:
+        raise UnsupportedModelError(
+            f"checkpoint has {hf_name!r} but the config does not enable it (bias settings?)"
+        )
+    destination = params[param_name].data[rows]
+    if tuple(tensor.shape) != tuple(destination.shape):
+        raise CheckpointError(
+            f"{hf_name} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+        )
+    with torch.no_grad():
+        destination.copy_(tensor.to(destination.dtype))
+    filled[param_name] += destination.shape[0]
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+    *, progress: bool = True,
+) -> LlamaModel:
+    """Build the model for ``model_dir``'s config directly in ``dtype`` on ``device``, load it."""
+    config = read_model_config(model_dir)
+    with torch.device(device):
+        model = LlamaModel(config, max_positions).to(dtype)
+    # The rotary tables stay fp32: HF computes cos/sin in fp32 and casts per use.
+    model.rotary.float()
+    load_weights(model, model_dir, progress=progress)
+    return model.eval()

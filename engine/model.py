@@ -1,0 +1,124 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) with fused QKV and gate_up weights.
+
+One module serves both phases: a forward over the new tokens of a batch, reading earlier
+tokens' K/V from the paged cache and writing the new tokens' K/V into it. Every op goes
+through a kernel dispatcher: Triton on CUDA, the plain-torch reference on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kernels.decode_attention import decode_attention
+from engine.kernels.fused_linear import fused_linear
+from engine.kernels.kv_store import store_kv
+from engine.kernels.prefill_attention import prefill_attention
+from engine.kernels.rmsnorm import rmsnorm
+from engine.kv_cache import PagedKVCache
+from engine.rope import RotaryEmbedding
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.input_norm_weight = _param(c.hidden_size)
+        self.qkv_weight = _param(c.qkv_size, c.hidden_size)  # rows: q heads, k heads, v heads
+        self.qkv_bias = _param(c.qkv_size) if c.qkv_bias else None
+        self.o_weight = _param(c.hidden_size, c.q_size)
+        self.o_bias = _param(c.hidden_size) if c.o_bias else None
+        self.post_attention_norm_weight = _param(c.hidden_size)
+        self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size)  # gate rows, then up
+        self.gate_up_bias = _param(2 * c.intermediate_size) if c.mlp_bias else None
+        self.down_weight = _param(c.hidden_size, c.intermediate_size)
+        self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
+        self.softmax_scale = c.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        layer_index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        eps = c.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = rmsnorm(hidden, self.input_norm_weight, eps)
+        else:
+            hidden, residual = rmsnorm(hidden, self.input_norm_weight, eps, residual)
+        hidden = self._attention(hidden, positions, rotary, meta, cache, layer_index)
+        hidden, residual = rmsnorm(hidden, self.post_attention_norm_weight, eps, residual)
+        hidden = fused_linear(hidden, self.gate_up_weight, self.gate_up_bias, activation="silu_mul")
+        hidden = fused_linear(hidden, self.down_weight, self.down_bias)
+        return hidden, residual
+
+    def _attention(self, hidden, positions, rotary, meta, cache, layer_index) -> torch.Tensor:
+        c = self.config
+        tokens = hidden.shape[0]
+        qkv = fused_linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, qkv_size]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(tokens, c.num_heads, c.head_dim)
+        k = k.view(tokens, c.num_kv_heads, c.head_dim)
+        v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
+        q, k = rotary(positions, q, k)
+        layer = cache.layer(layer_index)
+        store_kv(k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs)
+        if meta.is_decode_only:
+            out = decode_attention(
+                q, layer.k, layer.v, layer.k_scale, layer.v_scale,
+                meta.block_tables, meta.context_lens, self.softmax_scale,
+            )
+        else:
+            out = prefill_attention(
+                q, k, v, meta.cu_seqlens, meta.prefix_lens,
+                layer.k, layer.v, layer.k_scale, layer.v_scale,
+                meta.block_tables, self.softmax_scale, meta.max_new_len,
+            )
+        return fused_linear(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+
+
+class LlamaModel(nn.Module):
+    """Embedding → decoder layers → final norm; ``compute_logits`` applies the LM head."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_weight = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm_weight = _param(config.hidden_size)
+        self.lm_head_weight = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        hidden = nn.functional.embedding(input_ids, self.embed_weight)
+        residual = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, positions, self.rotary, meta, cache, index)
+        hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
+        return hidden  # [T, H]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] final hidden states → [n, vocab] fp32 logits."""
+        head = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        return fused_linear(hidden, head).float()

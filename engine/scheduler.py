@@ -1,0 +1,113 @@
+"""Chooses which tokens run in the next forward pass: continuous batching with chunked prefill.
+
+Each step has a token budget. Running sequences decode first (one token each); the rest of
+the budget goes to prompts, oldest first, a long prompt taking several steps (chunks). A
+sequence is admitted only when blocks for all its current tokens can be allocated (reusing
+cached prefix blocks). When a running sequence needs a block and none is free, the newest
+running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when there is nothing to run."""
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        # 1. decode: one token for every running sequence, preempting the newest when full.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if not self._make_room_for_next_token(seq):
+                continue  # seq itself was preempted and removed from running
+            seqs.append(seq)
+            counts.append(1)
+            budget -= 1
+            index += 1
+        # 2. prefill: prompts (or prompt chunks) oldest first, within the remaining budget.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq.token_ids):
+                    break
+                seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
+                seq.num_computed_tokens = seq.num_cached_tokens
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+            if chunk < seq.num_uncomputed_tokens:
+                break  # the rest of this prompt goes in later steps
+            self.waiting.popleft()
+            self.running.append(seq)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, counts)
+
+    def _make_room_for_next_token(self, seq: Sequence) -> bool:
+        while not self.block_manager.grow(seq.block_table, seq.num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it back at the head of the queue for recompute."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Behind a prompt that is part-way through its chunks: that one holds its blocks and
+        # must finish first, or neither could proceed.
+        position = 1 if self.waiting and self.waiting[0].block_table else 0
+        self.waiting.insert(position, seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
