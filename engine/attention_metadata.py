@@ -25,3 +25,4 @@ class AttentionMetadata:
     max_new_len: int = 0
     # decode-only batches
     context_lens: torch.Tensor | None = None  # [B] int32, including the new token
+    max_context_len: int = 0  # host-side, so kernels size their grid without a device sync

@@ -80,6 +80,7 @@ class DecoderLayer(nn.Module):
             out = decode_attention(
                 q, layer.k, layer.v, layer.k_scale, layer.v_scale,
                 meta.block_tables, meta.context_lens, self.softmax_scale,
+                max_context_len=meta.max_context_len,
             )
         else:
             out = prefill_attention(

@@ -63,6 +63,7 @@ class ModelRunner:
                 block_tables=block_tables,
                 block_runs=block_runs,
                 context_lens=to_device([p + 1 for p in prefix_lens], torch.int32),
+                max_context_len=max(prefix_lens) + 1,
             )
         else:
             meta = AttentionMetadata(

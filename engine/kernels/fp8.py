@@ -51,9 +51,10 @@ def round_to_e4m3_grid(x):
     rounded_bits = (bits + 0x7FFFF + lowest_kept) & 0xFFF00000
     normal = rounded_bits.to(tl.float32, bitcast=True)
     # e4m3 subnormals (|x| < 2^-6) are multiples of 2^-9, rounded half to even on |x| so
-    # that small negatives keep their sign (-0.0), as torch's cast does.
+    # that small negatives (and -0.0 itself: sign bit, not x < 0) keep their sign, as
+    # torch's cast does.
     magnitude = _rint(tl.abs(x) * 512.0) / 512.0
-    subnormal = tl.where(x < 0, -magnitude, magnitude)
+    subnormal = tl.where((bits >> 31) != 0, -magnitude, magnitude)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
 
 
