@@ -26,7 +26,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (model dtype) or fp8")
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (with token ids)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (with token ids)"
+    )
     p.set_defaults(func=_run_generate)
 
 
@@ -37,21 +39,34 @@ def _run_generate(args) -> int:
     if args.model == TINY_NAME:
         print(f"note: {TINY_NOTE}", file=sys.stderr)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              progress=not args.json)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        progress=not args.json,
+    )
     for output in llm.generate(args.prompt, params):
         if args.json:
             print(json.dumps({"model": args.model, **output.to_dict()}))
         else:
-            print(f"{output.prompt!r} -> {output.text!r}  [{len(output.token_ids)} tokens, {output.finish_reason}]")
+            print(
+                f"{output.prompt!r} -> {output.text!r}  [{len(output.token_ids)} tokens, {output.finish_reason}]"
+            )
     return 0
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (each next to a baseline measured in the same run)")
+    p = sub.add_parser(
+        "bench", help="benchmarks (each next to a baseline measured in the same run)"
+    )
     benches = p.add_subparsers(dest="bench", required=True)
     engine = benches.add_parser("engine", help="prefill and decode tokens/s vs transformers")
     engine.add_argument("--model", default="tiny")

@@ -37,7 +37,9 @@ class BlockManager:
     transfer). Not thread-safe: one engine loop owns it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks <= 0:
             raise EngineError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -63,7 +65,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- sequence lifecycle --------------------------------------------------------
-    def allocate(self, token_ids: Sequence[int], num_tokens: int | None = None) -> tuple[list[int], int]:
+    def allocate(
+        self, token_ids: Sequence[int], num_tokens: int | None = None
+    ) -> tuple[list[int], int]:
         """Blocks for the first ``num_tokens`` (default all) of ``token_ids``.
 
         Reuses cached full blocks of the longest matching prefix, but never the block holding
@@ -113,14 +117,16 @@ class BlockManager:
                     self._free.append(block_id)
         table.clear()
 
-    def register_full_blocks(self, table: list[int], token_ids: Sequence[int], num_computed: int) -> None:
+    def register_full_blocks(
+        self, table: list[int], token_ids: Sequence[int], num_computed: int
+    ) -> None:
         """Publish the full blocks among the first ``num_computed`` tokens to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         parent = None
         for index in range(num_computed // self.block_size):
             block = self.blocks[table[index]]
-            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             if block.hash is None:
                 block.hash = chain_hash(parent, tokens)
                 block.token_ids = tokens
@@ -134,7 +140,7 @@ class BlockManager:
         hits = []
         parent = None
         for index in range((num_tokens - 1) // self.block_size):
-            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             parent = chain_hash(parent, tokens)
             block_id = self._cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:

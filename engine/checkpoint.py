@@ -18,8 +18,12 @@ def model_config_for(source: str | Path) -> ModelConfig:
 
 
 def open_model(
-    source: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-    *, progress: bool = True,
+    source: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    *,
+    progress: bool = True,
 ) -> tuple[LlamaModel, Tokenizer]:
     if str(source) == TINY_NAME:
         return build_tiny_model(dtype, device, max_positions), tiny_tokenizer()

@@ -69,6 +69,8 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers, K and V, scales included."""
         element = self.k.element_size()
-        payload = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        payload = (
+            2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        )
         scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.is_fp8 else 0
         return payload + scales

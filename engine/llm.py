@@ -21,7 +21,9 @@ Prompt = str | Seq[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path = "tiny", *, progress: bool = True, **options: Any) -> None:
+    def __init__(
+        self, model: str | Path = "tiny", *, progress: bool = True, **options: Any
+    ) -> None:
         """``options`` are EngineConfig fields (dtype, kv_cache_dtype, block_size, ...)."""
         self.engine = LLMEngine(model, EngineConfig(**options), progress=progress)
         self.tokenizer = self.engine.tokenizer
@@ -42,7 +44,7 @@ class LLM:
             raise ValueError("sampling_params must be one object or one per prompt")
         engine = self.engine
         # Validate every prompt before any is queued, so a bad one leaves nothing behind.
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt in prompts:
             engine.tokenize_prompt(prompt)
         order = {}
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
@@ -62,7 +64,9 @@ class LLM:
         bar.close()
         return results  # type: ignore[return-value]
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict], sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], sampling_params)[0]

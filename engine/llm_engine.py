@@ -30,20 +30,32 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True) -> None:
+    def __init__(
+        self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.model_name = str(model)
         self.model_config = model_config_for(model)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len
+        )
         torch.manual_seed(config.seed)
-        self.model, self.tokenizer = open_model(model, self.dtype, self.device, self.max_model_len, progress=progress)
+        self.model, self.tokenizer = open_model(
+            model, self.dtype, self.device, self.max_model_len, progress=progress
+        )
         kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         num_blocks = config.num_kv_blocks or config.blocks_for_memory(self.model_config, kv_dtype)
-        self.cache = PagedKVCache(self.model_config, num_blocks, config.block_size, kv_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.cache = PagedKVCache(
+            self.model_config, num_blocks, config.block_size, kv_dtype, self.device
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, Sequence] = {}
@@ -63,11 +75,16 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is outside the vocabulary [0, {vocab})"
+                )
         return ids
 
     def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)
@@ -112,13 +129,19 @@ class LLMEngine:
         logits, sampling = self.runner.run(batch)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
+                self.num_prompt_tokens_computed += min(
+                    count, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
             seq.num_computed_tokens += count
-            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.register_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed_tokens
+            )
         finished = []
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            tokens, logprobs = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+            tokens, logprobs = self.sampler.sample(
+                logits, [s.seq_id for s in seqs], [s.params for s in seqs]
+            )
             now = time.monotonic()
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                 seq.status = SequenceStatus.RUNNING
@@ -147,7 +170,9 @@ class LLMEngine:
                 if hits:
                     seq.stop_text_len = min(hits)
                     reason = "stop"
-        if reason is None and (num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

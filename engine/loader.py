@@ -125,13 +125,15 @@ def _target(hf_name: str, config: ModelConfig) -> tuple[str, slice] | None:
     if hf_name == "model.norm.weight":
         return "norm_weight", slice(None)
     if hf_name == "lm_head.weight":
-        return (None if config.tie_word_embeddings else ("lm_head_weight", slice(None)))
+        return None if config.tie_word_embeddings else ("lm_head_weight", slice(None))
     match = _LAYER.match(hf_name)
     if match is None or match.group(2) not in _LAYER_TENSORS:
         raise CheckpointError(f"unexpected tensor {hf_name!r} in checkpoint")
     layer = int(match.group(1))
     if layer >= config.num_layers:
-        raise CheckpointError(f"tensor {hf_name!r} is for layer {layer}, but the model has {config.num_layers}")
+        raise CheckpointError(
+            f"tensor {hf_name!r} is for layer {layer}, but the model has {config.num_layers}"
+        )
     param, part = _LAYER_TENSORS[match.group(2)]
     return f"layers.{layer}.{param}", _fused_rows(part, config)
 
@@ -166,8 +168,12 @@ def _copy(params, filled, param_name, rows, tensor, hf_name, file) -> None:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-    *, progress: bool = True,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    *,
+    progress: bool = True,
 ) -> LlamaModel:
     """Build the model for ``model_dir``'s config directly in ``dtype`` on ``device``, load it."""
     config = read_model_config(model_dir)

@@ -75,18 +75,35 @@ class DecoderLayer(nn.Module):
         v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
         q, k = rotary(positions, q, k)
         layer = cache.layer(layer_index)
-        store_kv(k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs)
+        store_kv(
+            k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs
+        )
         if meta.is_decode_only:
             out = decode_attention(
-                q, layer.k, layer.v, layer.k_scale, layer.v_scale,
-                meta.block_tables, meta.context_lens, self.softmax_scale,
+                q,
+                layer.k,
+                layer.v,
+                layer.k_scale,
+                layer.v_scale,
+                meta.block_tables,
+                meta.context_lens,
+                self.softmax_scale,
                 max_context_len=meta.max_context_len,
             )
         else:
             out = prefill_attention(
-                q, k, v, meta.cu_seqlens, meta.prefix_lens,
-                layer.k, layer.v, layer.k_scale, layer.v_scale,
-                meta.block_tables, self.softmax_scale, meta.max_new_len,
+                q,
+                k,
+                v,
+                meta.cu_seqlens,
+                meta.prefix_lens,
+                layer.k,
+                layer.v,
+                layer.k_scale,
+                layer.v_scale,
+                meta.block_tables,
+                self.softmax_scale,
+                meta.max_new_len,
             )
         return fused_linear(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
 
@@ -100,7 +117,9 @@ class LlamaModel(nn.Module):
         self.embed_weight = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm_weight = _param(config.hidden_size)
-        self.lm_head_weight = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+        self.lm_head_weight = (
+            None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+        )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
 
     @torch.inference_mode()

@@ -25,7 +25,9 @@ class ModelRunner:
         sequences whose prompt or token is now fully computed and so sample a token)."""
         input_ids, positions, meta, last_rows, sampling = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.cache)
-        logits = self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
+        logits = (
+            self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
+        )
         return logits, sampling
 
     def prepare(self, batch: ScheduledBatch):
@@ -53,8 +55,12 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
         slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        block_runs = block_runs_from_slots(slot_mapping, bs).to(self.device) if self.cache.is_fp8 else None
-        to_device = lambda values, dtype: torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        block_runs = (
+            block_runs_from_slots(slot_mapping, bs).to(self.device) if self.cache.is_fp8 else None
+        )
+        to_device = lambda values, dtype: torch.tensor(values, dtype=dtype).to(
+            self.device, non_blocking=True
+        )
         block_tables = to_device(tables, torch.int32)
         if batch.is_decode_only:
             meta = AttentionMetadata(

@@ -32,7 +32,11 @@ class RequestOutput:
         }
         if self.logprobs is not None:
             out["logprobs"] = [
-                {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
+                {
+                    "token_id": lp.token_id,
+                    "logprob": lp.logprob,
+                    "top": {str(k): v for k, v in lp.top.items()},
+                }
                 for lp in self.logprobs
             ]
         return out

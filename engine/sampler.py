@@ -29,7 +29,9 @@ class Sampler:
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-            noise = torch.stack([self._exponential(seq_ids[i], params[i], probs.shape[-1]) for i in sampled_rows])
+            noise = torch.stack(
+                [self._exponential(seq_ids[i], params[i], probs.shape[-1]) for i in sampled_rows]
+            )
             # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
             tokens[rows] = (probs / noise).argmax(dim=-1)
         token_list = tokens.tolist()
@@ -42,7 +44,9 @@ class Sampler:
                 logprobs[i] = TokenLogprobs(
                     token_id=token_list[i],
                     logprob=log_probs[row, token_list[i]].item(),
-                    top={} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+                    top={}
+                    if top is None
+                    else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)),
                 )
         return token_list, logprobs
 

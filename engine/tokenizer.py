@@ -24,7 +24,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], **variables: Any) -> str:
@@ -85,12 +87,17 @@ class HFTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template (tokenizer_config.json)")
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
 
 
@@ -127,5 +134,9 @@ class ByteTokenizer:
             text = "".join(chr(t) if t < 256 else specials.get(t, f"<{t}>") for t in token_ids)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return render_chat_template(self.CHAT_TEMPLATE, messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return render_chat_template(
+            self.CHAT_TEMPLATE, messages, add_generation_prompt=add_generation_prompt
+        )

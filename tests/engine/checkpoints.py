@@ -41,10 +41,16 @@ def make_config(kind: str, **overrides):
     if kind == "llama":
         return LlamaConfig(**kwargs)
     if kind == "llama3":
-        kwargs.setdefault("rope_scaling", {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-        })
+        kwargs.setdefault(
+            "rope_scaling",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         kwargs.setdefault("rope_theta", 500000.0)
         return LlamaConfig(**kwargs)
     if kind == "llama_linear":
@@ -69,12 +75,20 @@ def write_tokenizer(directory: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
 
 
-def make_checkpoint(directory: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+def make_checkpoint(
+    directory: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides
+):
     """Save a random-initialised model of ``kind`` into ``directory``; return the HF model."""
     from transformers import AutoModelForCausalLM
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, CheckpointError, InvalidRequestError, SamplingParams, UnsupportedModelError
-from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from tests.engine.checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -41,7 +41,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny):
     noisy = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
     batched = tiny.generate(["xyz", "abc", "some other"], [noisy, params, noisy])[1].token_ids
     assert alone == batched
-    other_seed = tiny.generate("abc", SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))
+    other_seed = tiny.generate(
+        "abc", SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True)
+    )
     assert other_seed[0].token_ids != alone
 
 
@@ -66,18 +68,24 @@ def test_stop_token_ids_and_stop_strings(tiny):
     greedy = tiny.generate("stop me", GREEDY)[0]
     target = greedy.token_ids[5]
     first = greedy.token_ids.index(target)
-    by_id = tiny.generate("stop me", SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(target,)))[0]
+    by_id = tiny.generate(
+        "stop me", SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(target,))
+    )[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == greedy.token_ids[: first + 1]
     text = tiny.tokenizer.decode(greedy.token_ids)
     stop = text[6:8]
-    by_text = tiny.generate("stop me", SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))[0]
+    by_text = tiny.generate("stop me", SamplingParams(max_tokens=24, temperature=0, stop=(stop,)))[
+        0
+    ]
     assert by_text.finish_reason == "stop"
     assert stop not in by_text.text and text.startswith(by_text.text)
 
 
 def test_eos_stops_unless_ignored(llama_dir):
     llm = LLM(llama_dir, num_kv_blocks=64, progress=False)
-    free = llm.generate([[1, 5, 6]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    free = llm.generate([[1, 5, 6]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ]
     eos = free.token_ids[3]
     llm.engine.tokenizer.eos_token_ids = (eos,)
     stopped = llm.generate([[1, 5, 6]], SamplingParams(max_tokens=12, temperature=0))[0]
@@ -98,7 +106,10 @@ def test_preemption_under_memory_pressure_keeps_outputs_exact(tiny):
 
 
 def test_many_concurrent_requests_free_every_block(tiny):
-    params = [SamplingParams(max_tokens=1 + i % 9, temperature=0.5, seed=i, ignore_eos=True) for i in range(40)]
+    params = [
+        SamplingParams(max_tokens=1 + i % 9, temperature=0.5, seed=i, ignore_eos=True)
+        for i in range(40)
+    ]
     outs = tiny.generate([f"request {i}" * (1 + i % 4) for i in range(40)], params)
     assert [len(o.token_ids) for o in outs] == [1 + i % 9 for i in range(40)]
     assert tiny.engine.block_manager.num_used_blocks == 0
@@ -120,7 +131,10 @@ def teacher_forced_agreement(llm: LLM, prompts, reference) -> tuple[int, int]:
     engine = llm.engine
     agree = total = 0
     for prompt, expected in zip(prompts, reference, strict=True):
-        seq = engine.add_request(prompt, SamplingParams(max_tokens=len(expected.token_ids), temperature=0, ignore_eos=True))
+        seq = engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=len(expected.token_ids), temperature=0, ignore_eos=True),
+        )
         for k, token in enumerate(expected.token_ids):
             engine.step()
             agree += seq.token_ids[len(prompt) + k] == token
@@ -173,8 +187,13 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists()
     llm = LLM(tmp_path, num_kv_blocks=16, progress=False)
     out = llm.generate([[1, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-    expected = model.generate(torch.tensor([[1, 4, 5]]), max_new_tokens=6, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    expected = model.generate(
+        torch.tensor([[1, 4, 5]]),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, 3:].tolist()
     assert out.token_ids == expected
 
 
@@ -182,7 +201,9 @@ def test_chat_uses_the_template(llama_dir):
     llm = LLM(llama_dir, num_kv_blocks=16, progress=False)
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}])
     assert rendered == "<|user|> w5 w6 <|assistant|>"
-    out = llm.chat([{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=3, temperature=0))
+    out = llm.chat(
+        [{"role": "user", "content": "w5 w6"}], SamplingParams(max_tokens=3, temperature=0)
+    )
     assert out.prompt_token_ids  # rendered and tokenized
 
 
@@ -200,24 +221,29 @@ def test_prompt_errors(tiny):
     with pytest.raises(InvalidRequestError, match="limit is 64"):
         small.generate("x" * 100, GREEDY)
     with pytest.raises(InvalidRequestError, match="KV cache"):
-        LLM("tiny", num_kv_blocks=2, progress=False).generate("x" * 30, SamplingParams(max_tokens=100))
+        LLM("tiny", num_kv_blocks=2, progress=False).generate(
+            "x" * 30, SamplingParams(max_tokens=100)
+        )
     # a bad prompt among good ones leaves nothing queued
     with pytest.raises(InvalidRequestError):
         tiny.generate(["fine", ""], GREEDY)
     assert not tiny.engine.has_unfinished() and tiny.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"logprobs": 100}, "logprobs"),
-    ({"stop": ("",)}, "stop"),
-    ({"seed": -3}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"stop": ("",)}, "stop"),
+        ({"seed": -3}, "seed"),
+    ],
+)
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kwargs)
@@ -255,7 +281,10 @@ def test_shape_mismatch_is_named(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["intermediate_size"] = 96
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"mlp\..*_proj\.weight in model\.safetensors has shape \(64, 160\), expected \(64, 96\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"mlp\..*_proj\.weight in model\.safetensors has shape \(64, 160\), expected \(64, 96\)",
+    ):
         LLM(tmp_path, progress=False)
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from tests.engine.checkpoints import make_checkpoint
@@ -31,9 +31,15 @@ def checkpoint(request, tmp_path_factory):
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, min_new_tokens=NUM_TOKENS)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        max_new_tokens=NUM_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        min_new_tokens=NUM_TOKENS,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_prefill_logits_match_transformers(checkpoint):
@@ -62,7 +68,13 @@ def test_greedy_tokens_match_transformers_one_by_one_and_batched(checkpoint):
 
 def test_chunked_prefill_matches(checkpoint):
     directory, hf_model = checkpoint
-    llm = LLM(directory, num_kv_blocks=64, max_num_batched_tokens=16, enable_prefix_caching=False, progress=False)
+    llm = LLM(
+        directory,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        progress=False,
+    )
     prompt = PROMPTS[2]  # 45 tokens → chunks of 16, 16, 13
     assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf_model, prompt)
 
