@@ -53,3 +53,71 @@ def build_tiny_model(dtype: torch.dtype, device: torch.device, max_positions: in
 
 def tiny_tokenizer() -> ByteTokenizer:
     return ByteTokenizer(vocab_size=TINY_CONFIG.vocab_size)
+
+
+def hf_config_dict() -> dict:
+    """The tiny model's config in Hugging Face's config.json form (LlamaForCausalLM)."""
+    c = TINY_CONFIG
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope.theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_ids[0],
+        "torch_dtype": "float32",
+    }
+
+
+def save_tiny_checkpoint(directory) -> None:
+    """Write the tiny model as a Hugging Face checkpoint (config.json + model.safetensors,
+    unfused tensor names) so that transformers can load the very same weights as a baseline."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(
+        torch.float32, torch.device("cpu"), TINY_CONFIG.max_position_embeddings
+    )
+    c = TINY_CONFIG
+    tensors = {
+        "model.embed_tokens.weight": model.embed_weight,
+        "model.norm.weight": model.norm_weight,
+    }
+    if model.lm_head_weight is not None:
+        tensors["lm_head.weight"] = model.lm_head_weight
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        q, k, v = layer.qkv_weight.split([c.q_size, c.kv_size, c.kv_size])
+        gate, up = layer.gate_up_weight.split([c.intermediate_size, c.intermediate_size])
+        tensors.update(
+            {
+                prefix + "self_attn.q_proj.weight": q,
+                prefix + "self_attn.k_proj.weight": k,
+                prefix + "self_attn.v_proj.weight": v,
+                prefix + "self_attn.o_proj.weight": layer.o_weight,
+                prefix + "mlp.gate_proj.weight": gate,
+                prefix + "mlp.up_proj.weight": up,
+                prefix + "mlp.down_proj.weight": layer.down_weight,
+                prefix + "input_layernorm.weight": layer.input_norm_weight,
+                prefix + "post_attention_layernorm.weight": layer.post_attention_norm_weight,
+            }
+        )
+    save_file(
+        {k: t.detach().contiguous().clone() for k, t in tensors.items()},
+        str(directory / "model.safetensors"),
+    )
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(), indent=2))

@@ -335,23 +335,37 @@ def decode_attention_reference(
     length = num_pages * block_size
 
     def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        x = cache[pages].float()  # [B, P, BS, Hkv, D]
+        # index_select copies whole blocks; much faster on CPU than advanced indexing.
+        flat = pages.flatten()
+        x = (
+            cache.index_select(0, flat)
+            .float()
+            .view(batch, num_pages, block_size, num_kv_heads, head_dim)
+        )
         if scale is not None:
-            x = x * scale[pages][:, :, None, :, None]
+            x = x * scale.index_select(0, flat).view(batch, num_pages, 1, num_kv_heads, 1)
         return x.reshape(batch, length, num_kv_heads, head_dim)
 
     fp8 = k_cache.dtype == FP8_DTYPE
+    valid = torch.arange(length, device=q.device)[None] < ctx[:, None]  # [B, L]
+    # Rows past the context may hold garbage (even NaN): zero them in the gathered copies so
+    # that neither a score nor 0 * NaN can leak into the output. They are few (the last
+    # page's tail and padding pages), so index them rather than mask every row.
+    invalid_rows = (~valid).flatten().nonzero().squeeze(1)
     k = gather(k_cache, k_scale if fp8 else None)  # [B, L, Hkv, D]
     v = gather(v_cache, v_scale if fp8 else None)  # [B, L, Hkv, D]
-    valid = torch.arange(length, device=q.device)[None] < ctx[:, None]  # [B, L]
-    # Rows past the context may hold garbage (even NaN): zero them so 0 * NaN cannot leak.
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)
-
+    k.view(batch * length, -1).index_fill_(0, invalid_rows, 0.0)
+    v.view(batch * length, -1).index_fill_(0, invalid_rows, 0.0)
     qf = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * softmax_scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # context 0 -> zeros, not NaN
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # [B, Hkv, G, D]
+    # The G query heads of a KV head act as G query rows, so one SDPA call covers GQA.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=softmax_scale,
+    )  # [B, Hkv, G, D]
+    out = out.nan_to_num_(0.0)  # a context of 0 tokens masks every score: zeros, not NaN
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
