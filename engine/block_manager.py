@@ -103,6 +103,13 @@ class BlockManager:
         table.extend(self._allocate_fresh() for _ in range(needed))
         return True
 
+    def reserve(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` fresh blocks (no prefix lookup), e.g. for an incoming KV transfer.
+        Raises EngineError when fewer are free."""
+        if num_blocks > self.num_free_blocks:
+            raise EngineError(f"KV cache full: {num_blocks} blocks needed, {self.num_free_blocks} free")
+        return [self._allocate_fresh() for _ in range(num_blocks)]
+
     def free(self, table: list[int]) -> None:
         """Release a sequence's blocks (last block first, so its tail is evicted first)."""
         for block_id in reversed(table):

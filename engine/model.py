@@ -7,6 +7,8 @@ through a kernel dispatcher: Triton on CUDA, the plain-torch reference on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -129,11 +131,16 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         cache: PagedKVCache,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """``layer_done(i)`` is called once layer i's K/V are in the cache (the KV sender
+        ships that layer while later layers compute)."""
         hidden = nn.functional.embedding(input_ids, self.embed_weight)
         residual = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, self.rotary, meta, cache, index)
+            if layer_done is not None:
+                layer_done(index)
         hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
         return hidden  # [T, H]
 
