@@ -58,7 +58,7 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
         while engine.has_unfinished():
-            for output in engine.step():
+            for output in engine.step().finished:
                 results[order[output.request_id]] = output
                 bar.update(1)
         bar.close()

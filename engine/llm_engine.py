@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +25,19 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one step produced: every token sampled (request id, token, logprobs or None),
+    and the requests that finished."""
+
+    new_tokens: list[tuple[str, int, TokenLogprobs | None]]
+    finished: list[RequestOutput]
 
 
 class LLMEngine:
@@ -57,7 +68,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.runner = ModelRunner(self.model, self.cache)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model_config.vocab_size)
         self._requests: dict[str, Sequence] = {}
         self._prompts: dict[str, str | None] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
@@ -121,36 +132,58 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that finished in it."""
+    def step(self, layer_hook: Callable[[ScheduledBatch], Callable[[int], None]] | None = None) -> StepResult:
+        """Run one batch: schedule → forward → sample and check stops.
+
+        ``layer_hook(batch)``, if given, returns the ``layer_done(i)`` callback the model calls
+        after each layer (the prefill worker streams KV from it)."""
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
-        logits, sampling = self.runner.run(batch)
+            return StepResult([], [])
+        layer_done = layer_hook(batch) if layer_hook is not None else None
+        logits, sampling = self.runner.run(batch, layer_done)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    count, seq.num_prompt_tokens - seq.num_computed_tokens
-                )
+                self.num_prompt_tokens_computed += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += count
-            self.block_manager.register_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens
-            )
-        finished = []
+            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        result = StepResult([], [])
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            tokens, logprobs = self.sampler.sample(
-                logits, [s.seq_id for s in seqs], [s.params for s in seqs]
-            )
-            now = time.monotonic()
+            tokens, logprobs = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-                seq.status = SequenceStatus.RUNNING
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self._append_token(seq, token, lp)
-                if seq.is_finished:
-                    finished.append(self._release(seq))
-        return finished
+                self._accept_token(seq, token, lp, result)
+        return result
+
+    def admit_prefilled(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        block_ids: list[int], first_token: int,
+    ) -> tuple[Sequence, StepResult]:
+        """Start decoding a request whose prompt K/V another worker computed into ``block_ids``
+        of this cache, with the first token it sampled. The blocks now belong to the sequence
+        (freed when it finishes). Returns the sequence and the first token's StepResult."""
+        seq = Sequence(prompt_token_ids=list(prompt_token_ids), params=params, request_id=request_id)
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self._requests[seq.request_id] = seq
+        self._prompts[seq.request_id] = None
+        self.sampler.skip_first_draw(seq.seq_id, params)
+        self.scheduler.running.append(seq)
+        result = StepResult([], [])
+        self._accept_token(seq, first_token, None, result)
+        return seq, result
+
+    def _accept_token(self, seq: Sequence, token: int, logprob, result: StepResult) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self._append_token(seq, token, logprob)
+        result.new_tokens.append((seq.request_id, token, logprob))
+        if seq.is_finished:
+            result.finished.append(self._release(seq))
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         seq.token_ids.append(token)

@@ -4,6 +4,8 @@ positions that sample a token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention_metadata import AttentionMetadata
@@ -20,11 +22,13 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def run(
+        self, batch: ScheduledBatch, layer_done: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Forward the batch. Returns (logits [n, V] fp32, indexes into batch.seqs of the n
         sequences whose prompt or token is now fully computed and so sample a token)."""
         input_ids, positions, meta, last_rows, sampling = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.cache)
+        hidden = self.model(input_ids, positions, meta, self.cache, layer_done)
         logits = (
             self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         )

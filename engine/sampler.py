@@ -11,9 +11,16 @@ from engine.sequence import TokenLogprobs
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}  # seq_id → its own, when seeded
+
+    def skip_first_draw(self, seq_id: int, params: SamplingParams) -> None:
+        """The first token was sampled elsewhere (a prefill worker, same seed): advance this
+        sequence's generator past it, so the rest matches a single-engine run."""
+        if params.seed is not None and not params.greedy:
+            self._exponential(seq_id, params, self.vocab_size)
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
