@@ -1,16 +1,17 @@
-"""The ``pdcluster`` command line.
-
-Subcommands available so far: ``generate`` (offline generation with the engine) and
-``bench engine``. The serving commands (serve, submit, status, plan) arrive with the cluster.
-"""
+"""The ``pdcluster`` command line: serve a cluster, submit to it, generate offline, benchmark."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
 
 
 def _add_generate(sub) -> None:
@@ -86,9 +87,86 @@ def _run_bench_engine(args) -> int:
     return run_engine_benchmark(args)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model on Ray (default: tiny, 1 prefill + 1 decode actor, local Ray)")
+    p.add_argument("--config", help="cluster config YAML (see cluster/configs/)")
+    p.add_argument("--address", help="join an existing Ray cluster ('auto' after ray up / ray start)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], help="colocated: the baseline, both phases per replica")
+    p.add_argument("--model", help="checkpoint directory or 'tiny'")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, help="gRPC API port (default 50051)")
+    p.add_argument("--prefill-replicas", type=int)
+    p.add_argument("--decode-replicas", type=int)
+    p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"])
+    p.add_argument("--kv-cache-dtype", help="auto or fp8")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)")
+    p.set_defaults(func=_run_serve)
+
+
+def serve_config(args) -> ClusterConfig:
+    """The cluster config from --config (or the embedded default) with flags applied."""
+    from cluster.config import ClusterConfig
+
+    data: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(open(args.config)) or {}
+    data.setdefault("router", {})
+    data.setdefault("pools", {})
+    data.setdefault("kv", {})
+    data.setdefault("engine", {})
+    if args.model:
+        data["model"] = args.model
+    if args.mode:
+        data["mode"] = args.mode
+    for flag, key in (("host", "host"), ("port", "port"), ("grpc_port", "grpc_port"), ("api_key", "api_key")):
+        if getattr(args, flag) is not None:
+            data["router"][key] = getattr(args, flag)
+    if "api_key" not in data["router"] and os.environ.get("PDCLUSTER_API_KEY"):
+        data["router"]["api_key"] = os.environ["PDCLUSTER_API_KEY"]
+    for flag, pool in (("prefill_replicas", "prefill"), ("decode_replicas", "decode")):
+        if getattr(args, flag) is not None:
+            data["pools"].setdefault(pool, {})["replicas"] = getattr(args, flag)
+    if args.kv_wire_dtype:
+        data["kv"]["wire_dtype"] = args.kv_wire_dtype
+    if args.kv_cache_dtype:
+        data["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
+    return ClusterConfig.from_dict(data)
+
+
+def _run_serve(args) -> int:
+    import signal
+    import threading
+
+    from cluster.launcher import start_cluster, stop_cluster
+    from engine.tiny import TINY_NAME, TINY_NOTE
+
+    config = serve_config(args)
+    if config.model == TINY_NAME:
+        print(f"note: {TINY_NOTE}", file=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True)
+    running = start_cluster(config, address=args.address)
+    try:
+        pools = {pool: len(names) for pool, names in running.pools().items() if names}
+        print(f"pdcluster serving {config.model} at {running.urls['http']} (gRPC {running.urls.get('grpc', 'off')}); "
+              f"actors: {pools}; Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("shutting down...", file=sys.stderr, flush=True)
+    finally:
+        stop_cluster(running)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
     return parser
@@ -98,6 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except EngineError as err:
+    except (EngineError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -30,3 +30,10 @@ def open_model(
     config = read_model_config(source)
     tokenizer = HFTokenizer(source, eos_token_ids=config.eos_token_ids)
     return load_model(source, dtype, device, max_positions, progress=progress), tokenizer
+
+
+def open_tokenizer(source: str | Path) -> Tokenizer:
+    """Just the tokenizer (the router needs no weights)."""
+    if str(source) == TINY_NAME:
+        return tiny_tokenizer()
+    return HFTokenizer(source, eos_token_ids=read_model_config(source).eos_token_ids)

@@ -91,14 +91,9 @@ class LLMEngine:
                 )
         return ids
 
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> Sequence:
-        params = params or SamplingParams()
-        ids = self.tokenize_prompt(prompt)
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this engine could never serve the request."""
+        ids = self.tokenize_prompt(prompt_token_ids)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
@@ -113,6 +108,13 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.model_config.vocab_size:
                 raise InvalidRequestError(f"stop_token_ids entry {t} is outside the vocabulary")
+
+    def add_request(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.tokenize_prompt(prompt)
+        self.validate_request(ids, params)
         seq = Sequence(prompt_token_ids=ids, params=params, request_id=request_id or "")
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
@@ -120,6 +122,12 @@ class LLMEngine:
         self._prompts[seq.request_id] = prompt if isinstance(prompt, str) else None
         self.scheduler.add(seq)
         return seq
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self._requests.get(request_id)

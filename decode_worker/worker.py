@@ -1,0 +1,213 @@
+"""The decode worker (Ray actor ``decode-<i>``): receives prefilled KV into blocks it reserved,
+then decodes with continuous batching and hands tokens to the router in per-step batches.
+
+Request life on this worker:
+1. ``reserve`` (router, before prefill starts): validate, lease blocks for the prompt's KV.
+   No capacity → ``NoCapacityError`` (the router tries another replica or answers 429).
+2. The KV receiver (gRPC threads) writes the prefill worker's blocks into the lease; its
+   final frame carries the first token and admits the request to the engine.
+3. The engine loop decodes; each step's tokens go to the outbox; the router ``poll``s.
+4. Finish, ``cancel`` (client gone) or a lease that expires (prefill died, transfer stalled)
+   frees every block and ends the stream with a reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decode_worker.outbox import TokenOutbox
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, StepResult
+from engine.sampling_params import SamplingParams
+from engine.serving_loop import ServingLoop
+from engine.worker_options import WorkerOptions
+from kv_transfer.errors import LeaseError, NoCapacityError
+from kv_transfer.lease import Lease, LeaseTable
+from kv_transfer.receiver import KVReceiverServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingRequest:
+    """Reserved and waiting for its KV."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lease_id: str
+
+
+def logprob_dict(lp) -> dict | None:
+    if lp is None:
+        return None
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+
+
+class EngineWorker:
+    """What decode and colocated workers share: an engine on a loop thread, an outbox."""
+
+    def __init__(self, options: dict, name: str) -> None:
+        self.options = WorkerOptions.from_dict(options)
+        if self.options.torch_threads:
+            torch.set_num_threads(self.options.torch_threads)
+        self.name = name
+        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
+        self.outbox = TokenOutbox()
+        self.loop = ServingLoop(self.engine, self._publish, on_error=self._fail_all, name=name)
+        self.started_at = time.time()
+
+    def _publish(self, result: StepResult) -> None:
+        for request_id, token, lp in result.new_tokens:
+            self.outbox.add(request_id, token, logprob_dict(lp))
+        for output in result.finished:
+            self.outbox.finish(output.request_id, output.finish_reason)
+
+    def _fail_all(self, err: Exception) -> None:
+        """A step crashed: end every request with an error (and free its blocks) rather than
+        leave streams hanging."""
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            self.outbox.finish(request_id, "error", f"{self.name}: engine step failed: {err}")
+
+    def poll(self, timeout_s: float = 0.05) -> dict[str, dict]:
+        """New tokens of every request since the last poll (waits up to ``timeout_s``)."""
+        self._expire()
+        return self.outbox.collect(timeout_s)
+
+    def _expire(self) -> None:
+        pass
+
+    def cancel(self, request_id: str) -> bool:
+        with self.loop.lock:
+            found = self.engine.abort(request_id) is not None
+        if found:
+            self.outbox.finish(request_id, "abort")
+        return found
+
+    def engine_stats(self) -> dict:
+        with self.loop.lock:
+            engine = self.engine
+            bm = engine.block_manager
+            waiting_tokens = sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting)
+            return {
+                "name": self.name,
+                "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting),
+                "queued_tokens": waiting_tokens,
+                "num_blocks": bm.num_blocks,
+                "free_blocks": bm.num_free_blocks,
+                "kv_usage": bm.num_used_blocks / bm.num_blocks,
+                "prefix_hit_tokens": bm.prefix_hit_tokens,
+                "preemptions": engine.scheduler.num_preemptions,
+                "steps": self.loop.steps,
+                "max_num_seqs": engine.config.max_num_seqs,
+                "uptime_s": time.time() - self.started_at,
+            }
+
+    def info(self) -> dict:
+        engine = self.engine
+        return {
+            "name": self.name,
+            "model": self.options.model,
+            "fingerprint": engine.model_config.fingerprint(),
+            "block_size": engine.cache.block_size,
+            "num_blocks": engine.cache.num_blocks,
+            "kv_cache_dtype": str(engine.cache.dtype),
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+            "max_num_seqs": engine.config.max_num_seqs,
+        }
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+
+
+class DecodeWorker(EngineWorker):
+    def __init__(self, options: dict, name: str = "decode-0") -> None:
+        super().__init__(options, name)
+        kv = self.options.kv
+        self.pending: dict[str, PendingRequest] = {}
+        self.leases = LeaseTable(
+            self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._admit
+        )
+        self.receiver = KVReceiverServer(
+            self.engine.cache, self.leases, self.engine.model_config.fingerprint(),
+            host=kv.host, port=0, token=kv.token, tls_cert=kv.tls_cert, tls_key=kv.tls_key,
+        )
+        self.receiver.start()
+        self.loop.start()
+
+    def info(self) -> dict:
+        return {**super().info(), "kv_address": self.receiver.address}
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
+        """Lease blocks for the prompt's KV before its prefill starts.
+
+        Raises InvalidRequestError for a request this worker can never serve and
+        NoCapacityError when it cannot take it now."""
+        engine = self.engine
+        with self.loop.lock:
+            engine.validate_request(prompt_token_ids, params)
+            if request_id in self.pending or engine.has_request(request_id):
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            busy = len(engine.scheduler.running) + len(engine.scheduler.waiting) + len(self.pending)
+            if busy >= engine.config.max_num_seqs:
+                raise NoCapacityError(f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences")
+            # Keep a block of headroom per running sequence so admissions do not force
+            # immediate preemptions.
+            needed = engine.block_manager.blocks_needed(len(prompt_token_ids) + 1)
+            if needed + len(engine.scheduler.running) > engine.block_manager.num_free_blocks:
+                raise NoCapacityError(f"{self.name} has {engine.block_manager.num_free_blocks} free KV blocks")
+            lease = self.leases.reserve(request_id, len(prompt_token_ids))
+            self.pending[request_id] = PendingRequest(request_id, list(prompt_token_ids), params, lease.lease_id)
+        return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
+
+    def _admit(self, lease: Lease) -> None:
+        """The KV receiver finished a transfer (called with the loop lock held)."""
+        with self.loop.lock:
+            pending = self.pending.pop(lease.request_id, None)
+            if pending is None:  # cancelled meanwhile: the blocks are ours to free
+                self.engine.block_manager.free(list(lease.block_ids))
+                return
+            _, result = self.engine.admit_prefilled(
+                pending.prompt_token_ids, pending.params, pending.request_id, list(lease.block_ids), lease.first_token
+            )
+            self._publish(result)
+        self.loop.wake()
+
+    def _expire(self) -> None:
+        """End pending requests whose lease is gone (transfer failed, timed out or stalled)."""
+        with self.loop.lock:
+            for request_id, pending in list(self.pending.items()):
+                try:
+                    self.leases.get(pending.lease_id)  # releases it if past its deadline
+                except LeaseError:
+                    del self.pending[request_id]
+                    self.outbox.finish(request_id, "error", f"{self.name}: KV transfer for {request_id} failed or timed out")
+
+    def cancel(self, request_id: str) -> bool:
+        with self.loop.lock:
+            pending = self.pending.pop(request_id, None)
+            if pending is not None:
+                self.leases.release(pending.lease_id, "cancelled")
+                self.outbox.finish(request_id, "abort")
+                return True
+        return super().cancel(request_id)
+
+    def stats(self) -> dict:
+        stats = self.engine_stats()
+        with self.loop.lock:
+            stats["pending_transfers"] = len(self.pending)
+            stats["leases"] = self.leases.active()
+        stats.update({f"kv_{k}": v for k, v in dataclasses.asdict(self.receiver.stats).items()})
+        return stats
+
+    def shutdown(self) -> None:
+        self.receiver.stop()
+        super().shutdown()

@@ -1,0 +1,1 @@
+"""The prefill pool: Ray actors that run prompts and stream their KV to decode actors."""

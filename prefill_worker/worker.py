@@ -1,0 +1,224 @@
+"""The prefill worker (Ray actor ``prefill-<i>``): runs prompts and streams their KV, layer by
+layer, into the blocks a decode worker reserved for them; returns the first token.
+
+Prompts waiting here are batched up to the engine's token budget and long ones are chunked
+(the engine's scheduler); prompts sharing a prefix reuse its cached blocks (prefix cache),
+so a repeated system prompt is not recomputed. Each request samples exactly one token here.
+While the final chunk of a prompt runs, every finished layer's blocks (the whole prompt,
+cached prefix included) are handed to the KV sender, which ships them while later layers
+compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine, StepResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.serving_loop import ServingLoop
+from engine.worker_options import WorkerOptions
+from kv_transfer.sender import KVSender, TransferStream
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillError(Exception):
+    """The prefill or its KV transfer failed; the message says which and why."""
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    stream: TransferStream
+    done: threading.Event = field(default_factory=threading.Event)
+    first_token: int | None = None
+    logprob: dict | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class PrefillWorker:
+    def __init__(self, options: dict, name: str = "prefill-0") -> None:
+        self.options = WorkerOptions.from_dict(options)
+        if self.options.torch_threads:
+            torch.set_num_threads(self.options.torch_threads)
+        self.name = name
+        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
+        self.jobs: dict[str, PrefillJob] = {}
+        self.senders: dict[str, KVSender] = {}
+        self._senders_lock = threading.Lock()
+        self.loop = ServingLoop(
+            self.engine, self._on_result, on_error=self._fail_all, layer_hook=self._layer_hook, name=name
+        )
+        self.completed = 0
+        self.failed = 0
+        self.transfer_seconds = 0.0
+        self.started_at = time.time()
+        self.loop.start()
+
+    # ---- Ray-facing API ---------------------------------------------------------------
+    def info(self) -> dict:
+        engine = self.engine
+        return {
+            "name": self.name,
+            "model": self.options.model,
+            "fingerprint": engine.model_config.fingerprint(),
+            "block_size": engine.cache.block_size,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+        }
+
+    def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_address: str, lease_id: str,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Prefill one prompt, stream its KV to ``kv_address`` under ``lease_id``, return the
+        first token. Blocks the calling thread (the actor runs calls concurrently); raises
+        PrefillError on failure (the receiver then frees the lease's blocks)."""
+        engine = self.engine
+        first_token_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=())
+        stream = self._sender(kv_address).open(
+            request_id, lease_id, engine.model_config.fingerprint(), engine.cache.block_size,
+            len(prompt_token_ids), engine.model_config.num_layers, self.options.kv.wire_dtype, engine.cache.dtype,
+        )
+        job = PrefillJob(request_id, stream)
+        with self.loop.lock:
+            try:
+                seq = engine.add_request(list(prompt_token_ids), first_token_params, request_id=request_id)
+            except EngineError as err:
+                stream.abort(str(err))
+                raise PrefillError(f"{self.name}: {err}") from None
+            self.jobs[request_id] = job
+        self.loop.wake()
+        if not job.done.wait(timeout_s):
+            self.cancel(request_id)
+            raise PrefillError(f"{self.name}: prefill of {request_id} did not finish in {timeout_s:.0f}s")
+        if job.error is not None:
+            self.failed += 1
+            stream.abort(job.error)
+            raise PrefillError(job.error)
+        transfer_start = time.monotonic()
+        try:
+            transfer = stream.finish(job.first_token)
+        except Exception as err:  # the receiver's status, or a broken channel
+            self.failed += 1
+            raise PrefillError(f"{self.name}: KV transfer of {request_id} failed: {err}") from None
+        self.transfer_seconds += time.monotonic() - transfer_start
+        self.completed += 1
+        return {
+            "first_token": job.first_token,
+            "logprob": job.logprob,
+            "num_cached_tokens": seq.num_cached_tokens,
+            "prefill_s": time.monotonic() - job.started,
+            "transfer": dataclasses.asdict(transfer) if dataclasses.is_dataclass(transfer) else transfer,
+        }
+
+    def cancel(self, request_id: str) -> bool:
+        with self.loop.lock:
+            job = self.jobs.pop(request_id, None)
+            if job is None:
+                return False
+            self.engine.abort(request_id)
+        job.stream.abort("cancelled")
+        job.error = f"{self.name}: {request_id} was cancelled"
+        job.done.set()
+        return True
+
+    def stats(self) -> dict:
+        with self.loop.lock:
+            engine = self.engine
+            bm = engine.block_manager
+            return {
+                "name": self.name,
+                "queued_tokens": sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting),
+                "waiting": len(engine.scheduler.waiting),
+                "running": len(self.jobs),
+                "prefix_hit_tokens": bm.prefix_hit_tokens,
+                "prompt_tokens_computed": engine.num_prompt_tokens_computed,
+                "kv_usage": bm.num_used_blocks / bm.num_blocks,
+                "completed": self.completed,
+                "failed": self.failed,
+                "transfer_seconds": self.transfer_seconds,
+                "steps": self.loop.steps,
+                "uptime_s": time.time() - self.started_at,
+            }
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        with self._senders_lock:
+            for sender in self.senders.values():
+                sender.close()
+
+    # ---- engine loop side ---------------------------------------------------------------
+    def _sender(self, address: str) -> KVSender:
+        kv = self.options.kv
+        with self._senders_lock:
+            sender = self.senders.get(address)
+            if sender is None:
+                sender = self.senders[address] = KVSender(
+                    address, kv.token, tls_root_cert=kv.tls_cert, max_frames_in_flight=kv.max_frames_in_flight,
+                    timeout_s=kv.lease_timeout_s,
+                )
+            return sender
+
+    def _layer_hook(self, batch: ScheduledBatch):
+        """For the prompts whose last chunk is in this batch: ship each layer's blocks as
+        soon as the layer is done."""
+        finishing = []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            job = self.jobs.get(seq.request_id)
+            if job is not None and seq.num_computed_tokens + count == seq.num_tokens:
+                blocks = torch.tensor(seq.block_table, dtype=torch.int64, device=self.engine.device)
+                finishing.append((job, blocks))
+        if not finishing:
+            return None
+        cache = self.engine.cache
+
+        def layer_done(layer: int) -> None:
+            for job, blocks in finishing:
+                if job.error is not None:
+                    continue
+                k_scale = v_scale = None
+                if cache.is_fp8:
+                    k_scale = cache.k_scale[layer].index_select(0, blocks)
+                    v_scale = cache.v_scale[layer].index_select(0, blocks)
+                try:
+                    job.stream.send_layer(
+                        layer, cache.k[layer].index_select(0, blocks), cache.v[layer].index_select(0, blocks),
+                        k_scale, v_scale,
+                    )
+                except Exception as err:  # the stream broke: fail this job, keep the batch going
+                    job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"
+
+        return layer_done
+
+    def _on_result(self, result: StepResult) -> None:
+        for request_id, token, lp in result.new_tokens:
+            job = self.jobs.get(request_id)
+            if job is not None:
+                job.first_token = token
+                if lp is not None:
+                    job.logprob = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+        for output in result.finished:
+            job = self.jobs.pop(output.request_id, None)
+            if job is not None:
+                job.num_cached_tokens = output.num_cached_tokens
+                job.done.set()
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            job = self.jobs.pop(request_id, None)
+            if job is not None:
+                job.stream.abort(str(err))
+                job.error = f"{self.name}: prefill step failed: {err}"
+                job.done.set()

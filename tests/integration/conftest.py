@@ -1,0 +1,39 @@
+"""One local Ray instance for the whole test session; clusters are started on it in turn."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(namespace="pdcluster", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def GRPC_PORT():  # noqa: N802
+    import importlib.util
+
+    return free_port() if importlib.util.find_spec("router.grpc_api") else None
+
+
+def start(config_dict: dict):
+    """Start a cluster from a config dict on the session's Ray, with free ports."""
+    from cluster.config import ClusterConfig
+    from cluster.launcher import start_cluster
+
+    router = {"port": free_port(), "grpc_port": GRPC_PORT(), **config_dict.pop("router", {})}
+    config = ClusterConfig.from_dict({**config_dict, "router": router})
+    return start_cluster(config)
