@@ -1,0 +1,44 @@
+"""Options of the router's API servers (HTTP and gRPC), validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``api_key`` None means no authentication. ``served_model_name`` None serves the
+    backend's model name. ``grpc_port`` None runs no gRPC server; 0 picks a free port."""
+
+    host: str = "127.0.0.1"  # loopback by default: exposing the API is an explicit choice
+    port: int = 8000
+    grpc_port: int | None = 50051
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 8 * 2**20  # a 128k-token id prompt is ~1 MiB of JSON
+    max_tokens_limit: int = 32768  # largest max_tokens a request may ask for
+    default_max_tokens: int = 16  # /v1/completions default, as OpenAI's
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        for name in ("port", "grpc_port"):
+            value = getattr(self, name)
+            if value is None and name == "grpc_port":
+                continue
+            if not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be a port number in [0, 65535], got {value!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must be a non-empty string or None")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty or None")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be positive")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
+        if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
+            raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
