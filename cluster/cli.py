@@ -79,6 +79,15 @@ def _add_bench(sub) -> None:
     engine.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     engine.add_argument("--json-out", default=None, help="also write the results as JSON here")
     engine.set_defaults(func=_run_bench_engine)
+    from benchmarks.serve_bench import add_serve_bench_parser
+
+    add_serve_bench_parser(benches)
+    try:
+        from benchmarks.transfer_bench import add_transfer_parser
+    except ImportError:  # pragma: no cover - arrives with the KV transfer benchmark
+        pass
+    else:
+        add_transfer_parser(benches)
 
 
 def _run_bench_engine(args) -> int:
@@ -88,10 +97,18 @@ def _run_bench_engine(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model on Ray (default: tiny, 1 prefill + 1 decode actor, local Ray)")
+    p = sub.add_parser(
+        "serve", help="serve a model on Ray (default: tiny, 1 prefill + 1 decode actor, local Ray)"
+    )
     p.add_argument("--config", help="cluster config YAML (see cluster/configs/)")
-    p.add_argument("--address", help="join an existing Ray cluster ('auto' after ray up / ray start)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], help="colocated: the baseline, both phases per replica")
+    p.add_argument(
+        "--address", help="join an existing Ray cluster ('auto' after ray up / ray start)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        help="colocated: the baseline, both phases per replica",
+    )
     p.add_argument("--model", help="checkpoint directory or 'tiny'")
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
@@ -100,7 +117,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--decode-replicas", type=int)
     p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"])
     p.add_argument("--kv-cache-dtype", help="auto or fp8")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)")
+    p.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)"
+    )
     p.set_defaults(func=_run_serve)
 
 
@@ -121,7 +140,12 @@ def serve_config(args) -> ClusterConfig:
         data["model"] = args.model
     if args.mode:
         data["mode"] = args.mode
-    for flag, key in (("host", "host"), ("port", "port"), ("grpc_port", "grpc_port"), ("api_key", "api_key")):
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("grpc_port", "grpc_port"),
+        ("api_key", "api_key"),
+    ):
         if getattr(args, flag) is not None:
             data["router"][key] = getattr(args, flag)
     if "api_key" not in data["router"] and os.environ.get("PDCLUSTER_API_KEY"):
@@ -140,21 +164,30 @@ def _run_serve(args) -> int:
     import signal
     import threading
 
+    from cluster.ray_env import prepare_ray_environment
+
+    prepare_ray_environment(args.address)
     from cluster.launcher import start_cluster, stop_cluster
     from engine.tiny import TINY_NAME, TINY_NOTE
 
     config = serve_config(args)
     if config.model == TINY_NAME:
         print(f"note: {TINY_NOTE}", file=sys.stderr)
+    print(
+        f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True
+    )
+    running = start_cluster(config, address=args.address)  # Ctrl-C here stops what started
+    # Installed after ray.init, which sets its own SIGTERM handler.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True)
-    running = start_cluster(config, address=args.address)
     try:
         pools = {pool: len(names) for pool, names in running.pools().items() if names}
-        print(f"pdcluster serving {config.model} at {running.urls['http']} (gRPC {running.urls.get('grpc', 'off')}); "
-              f"actors: {pools}; Ctrl-C to stop", flush=True)
+        print(
+            f"pdcluster serving {config.model} at {running.urls['http']} (gRPC {running.urls.get('grpc', 'off')}); "
+            f"actors: {pools}; Ctrl-C to stop",
+            flush=True,
+        )
         while not stop.wait(0.5):
             pass
         print("shutting down...", file=sys.stderr, flush=True)
@@ -166,7 +199,10 @@ def _run_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    from router.client import add_submit_parser
+
     _add_serve(sub)
+    add_submit_parser(sub)
     _add_generate(sub)
     _add_bench(sub)
     return parser

@@ -62,7 +62,10 @@ class ClusterConfig:
 
     def worker_options(self, pool: str) -> dict:
         return WorkerOptions(
-            model=self.model, engine=self.engine_config(pool), kv=self.kv, torch_threads=self.torch_threads
+            model=self.model,
+            engine=self.engine_config(pool),
+            kv=self.kv,
+            torch_threads=self.torch_threads,
         ).to_dict()
 
     @classmethod
@@ -73,7 +76,11 @@ class ClusterConfig:
         unknown = sorted(set(data) - known - {"pools"})
         if unknown:
             raise ConfigError(f"unknown key(s): {', '.join(unknown)}")
-        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in ("model", "mode", "engine", "torch_threads", "namespace")}
+        kwargs: dict[str, Any] = {
+            k: v
+            for k, v in data.items()
+            if k in ("model", "mode", "engine", "torch_threads", "namespace")
+        }
         pools = data.get("pools") or {}
         for name in pools:
             if name not in ("prefill", "decode", "colocated"):

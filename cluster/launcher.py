@@ -48,7 +48,10 @@ class RunningCluster:
 def _requested_cpus(config: ClusterConfig) -> float:
     if config.mode == "colocated":
         return config.colocated.replicas * config.colocated.num_cpus
-    return config.prefill.replicas * config.prefill.num_cpus + config.decode.replicas * config.decode.num_cpus
+    return (
+        config.prefill.replicas * config.prefill.num_cpus
+        + config.decode.replicas * config.decode.num_cpus
+    )
 
 
 def connect_ray(config: ClusterConfig, address: str | None) -> bool:
@@ -59,29 +62,42 @@ def connect_ray(config: ClusterConfig, address: str | None) -> bool:
         ray.init(address=address, namespace=config.namespace, log_to_driver=False)
         return True
     cpus = max(os.cpu_count() or 1, int(_requested_cpus(config) + 1))
-    ray.init(namespace=config.namespace, num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # A local cluster talks over loopback only.
+    ray.init(
+        namespace=config.namespace,
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
     return True
 
 
 def start_cluster(config: ClusterConfig, address: str | None = None) -> RunningCluster:
     if not config.kv.token:
-        config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, token=secrets.token_urlsafe(24)))
+        config = dataclasses.replace(
+            config, kv=dataclasses.replace(config.kv, token=secrets.token_urlsafe(24))
+        )
     running = RunningCluster(config=config, started_ray=connect_ray(config, address))
     try:
         _start_workers(running)
-        router = ray.remote(RouterActor).options(
-            name="router", namespace=config.namespace, num_cpus=0, max_concurrency=1000
-        ).remote()
+        router = (
+            ray.remote(RouterActor)
+            .options(name="router", namespace=config.namespace, num_cpus=0, max_concurrency=1000)
+            .remote()
+        )
         running.router = router
         pools = running.pools()
-        running.urls = ray.get(router.start.remote(
-            model=config.model,
-            router_config=dataclasses.asdict(config.router),
-            prefill=pools["prefill"],
-            decode=pools["colocated"] if config.mode == "colocated" else pools["decode"],
-            colocated=config.mode == "colocated",
-            namespace=config.namespace,
-        ))
+        running.urls = ray.get(
+            router.start.remote(
+                model=config.model,
+                router_config=dataclasses.asdict(config.router),
+                prefill=pools["prefill"],
+                decode=pools["colocated"] if config.mode == "colocated" else pools["decode"],
+                colocated=config.mode == "colocated",
+                namespace=config.namespace,
+            )
+        )
     except BaseException:
         stop_cluster(running)
         raise
@@ -101,13 +117,17 @@ def _start_workers(running: RunningCluster) -> None:
         options = config.worker_options(pool)
         for index in range(pool_config.replicas):
             name = f"{pool}-{index}"
-            running.workers[name] = ray.remote(cls).options(
-                name=name,
-                namespace=config.namespace,
-                num_cpus=pool_config.num_cpus,
-                num_gpus=pool_config.num_gpus,
-                max_concurrency=concurrency,
-            ).remote(options, name)
+            running.workers[name] = (
+                ray.remote(cls)
+                .options(
+                    name=name,
+                    namespace=config.namespace,
+                    num_cpus=pool_config.num_cpus,
+                    num_gpus=pool_config.num_gpus,
+                    max_concurrency=concurrency,
+                )
+                .remote(options, name)
+            )
     # Wait until every model is loaded (an error in a constructor surfaces here).
     ray.get([handle.info.remote() for handle in running.workers.values()])
 

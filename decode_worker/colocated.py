@@ -23,7 +23,9 @@ class ColocatedWorker(EngineWorker):
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             busy = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             if busy >= engine.config.max_num_seqs:
-                raise NoCapacityError(f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences")
+                raise NoCapacityError(
+                    f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences"
+                )
             engine.add_request(list(prompt_token_ids), params, request_id=request_id)
         self.loop.wake()
 

@@ -137,8 +137,14 @@ class DecodeWorker(EngineWorker):
             self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._admit
         )
         self.receiver = KVReceiverServer(
-            self.engine.cache, self.leases, self.engine.model_config.fingerprint(),
-            host=kv.host, port=0, token=kv.token, tls_cert=kv.tls_cert, tls_key=kv.tls_key,
+            self.engine.cache,
+            self.leases,
+            self.engine.model_config.fingerprint(),
+            host=kv.host,
+            port=0,
+            token=kv.token,
+            tls_cert=kv.tls_cert,
+            tls_key=kv.tls_key,
         )
         self.receiver.start()
         self.loop.start()
@@ -158,14 +164,20 @@ class DecodeWorker(EngineWorker):
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             busy = len(engine.scheduler.running) + len(engine.scheduler.waiting) + len(self.pending)
             if busy >= engine.config.max_num_seqs:
-                raise NoCapacityError(f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences")
+                raise NoCapacityError(
+                    f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences"
+                )
             # Keep a block of headroom per running sequence so admissions do not force
             # immediate preemptions.
             needed = engine.block_manager.blocks_needed(len(prompt_token_ids) + 1)
             if needed + len(engine.scheduler.running) > engine.block_manager.num_free_blocks:
-                raise NoCapacityError(f"{self.name} has {engine.block_manager.num_free_blocks} free KV blocks")
+                raise NoCapacityError(
+                    f"{self.name} has {engine.block_manager.num_free_blocks} free KV blocks"
+                )
             lease = self.leases.reserve(request_id, len(prompt_token_ids))
-            self.pending[request_id] = PendingRequest(request_id, list(prompt_token_ids), params, lease.lease_id)
+            self.pending[request_id] = PendingRequest(
+                request_id, list(prompt_token_ids), params, lease.lease_id
+            )
         return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
 
     def _admit(self, lease: Lease) -> None:
@@ -176,7 +188,11 @@ class DecodeWorker(EngineWorker):
                 self.engine.block_manager.free(list(lease.block_ids))
                 return
             _, result = self.engine.admit_prefilled(
-                pending.prompt_token_ids, pending.params, pending.request_id, list(lease.block_ids), lease.first_token
+                pending.prompt_token_ids,
+                pending.params,
+                pending.request_id,
+                list(lease.block_ids),
+                lease.first_token,
             )
             self._publish(result)
         self.loop.wake()
@@ -189,7 +205,11 @@ class DecodeWorker(EngineWorker):
                     self.leases.get(pending.lease_id)  # releases it if past its deadline
                 except LeaseError:
                     del self.pending[request_id]
-                    self.outbox.finish(request_id, "error", f"{self.name}: KV transfer for {request_id} failed or timed out")
+                    self.outbox.finish(
+                        request_id,
+                        "error",
+                        f"{self.name}: KV transfer for {request_id} failed or timed out",
+                    )
 
     def cancel(self, request_id: str) -> bool:
         with self.loop.lock:

@@ -107,7 +107,9 @@ class BlockManager:
         """``num_blocks`` fresh blocks (no prefix lookup), e.g. for an incoming KV transfer.
         Raises EngineError when fewer are free."""
         if num_blocks > self.num_free_blocks:
-            raise EngineError(f"KV cache full: {num_blocks} blocks needed, {self.num_free_blocks} free")
+            raise EngineError(
+                f"KV cache full: {num_blocks} blocks needed, {self.num_free_blocks} free"
+            )
         return [self._allocate_fresh() for _ in range(num_blocks)]
 
     def free(self, table: list[int]) -> None:

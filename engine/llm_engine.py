@@ -110,7 +110,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"stop_token_ids entry {t} is outside the vocabulary")
 
     def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)
@@ -140,7 +143,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------
-    def step(self, layer_hook: Callable[[ScheduledBatch], Callable[[int], None]] | None = None) -> StepResult:
+    def step(
+        self, layer_hook: Callable[[ScheduledBatch], Callable[[int], None]] | None = None
+    ) -> StepResult:
         """Run one batch: schedule → forward → sample and check stops.
 
         ``layer_hook(batch)``, if given, returns the ``layer_done(i)`` callback the model calls
@@ -152,30 +157,44 @@ class LLMEngine:
         logits, sampling = self.runner.run(batch, layer_done)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
+                self.num_prompt_tokens_computed += min(
+                    count, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
             seq.num_computed_tokens += count
-            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.register_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed_tokens
+            )
         result = StepResult([], [])
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            tokens, logprobs = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+            tokens, logprobs = self.sampler.sample(
+                logits, [s.seq_id for s in seqs], [s.params for s in seqs]
+            )
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                 self._accept_token(seq, token, lp, result)
         return result
 
     def admit_prefilled(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-        block_ids: list[int], first_token: int,
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        block_ids: list[int],
+        first_token: int,
     ) -> tuple[Sequence, StepResult]:
         """Start decoding a request whose prompt K/V another worker computed into ``block_ids``
         of this cache, with the first token it sampled. The blocks now belong to the sequence
         (freed when it finishes). Returns the sequence and the first token's StepResult."""
-        seq = Sequence(prompt_token_ids=list(prompt_token_ids), params=params, request_id=request_id)
+        seq = Sequence(
+            prompt_token_ids=list(prompt_token_ids), params=params, request_id=request_id
+        )
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self.block_manager.register_full_blocks(
+            seq.block_table, seq.token_ids, seq.num_computed_tokens
+        )
         self._requests[seq.request_id] = seq
         self._prompts[seq.request_id] = None
         self.sampler.skip_first_draw(seq.seq_id, params)

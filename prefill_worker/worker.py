@@ -57,7 +57,11 @@ class PrefillWorker:
         self.senders: dict[str, KVSender] = {}
         self._senders_lock = threading.Lock()
         self.loop = ServingLoop(
-            self.engine, self._on_result, on_error=self._fail_all, layer_hook=self._layer_hook, name=name
+            self.engine,
+            self._on_result,
+            on_error=self._fail_all,
+            layer_hook=self._layer_hook,
+            name=name,
         )
         self.completed = 0
         self.failed = 0
@@ -78,22 +82,37 @@ class PrefillWorker:
         }
 
     def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_address: str, lease_id: str,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_address: str,
+        lease_id: str,
         timeout_s: float = 600.0,
     ) -> dict:
         """Prefill one prompt, stream its KV to ``kv_address`` under ``lease_id``, return the
         first token. Blocks the calling thread (the actor runs calls concurrently); raises
         PrefillError on failure (the receiver then frees the lease's blocks)."""
         engine = self.engine
-        first_token_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=())
+        first_token_params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=()
+        )
         stream = self._sender(kv_address).open(
-            request_id, lease_id, engine.model_config.fingerprint(), engine.cache.block_size,
-            len(prompt_token_ids), engine.model_config.num_layers, self.options.kv.wire_dtype, engine.cache.dtype,
+            request_id,
+            lease_id,
+            engine.model_config.fingerprint(),
+            engine.cache.block_size,
+            len(prompt_token_ids),
+            engine.model_config.num_layers,
+            self.options.kv.wire_dtype,
+            engine.cache.dtype,
         )
         job = PrefillJob(request_id, stream)
         with self.loop.lock:
             try:
-                seq = engine.add_request(list(prompt_token_ids), first_token_params, request_id=request_id)
+                seq = engine.add_request(
+                    list(prompt_token_ids), first_token_params, request_id=request_id
+                )
             except EngineError as err:
                 stream.abort(str(err))
                 raise PrefillError(f"{self.name}: {err}") from None
@@ -101,7 +120,9 @@ class PrefillWorker:
         self.loop.wake()
         if not job.done.wait(timeout_s):
             self.cancel(request_id)
-            raise PrefillError(f"{self.name}: prefill of {request_id} did not finish in {timeout_s:.0f}s")
+            raise PrefillError(
+                f"{self.name}: prefill of {request_id} did not finish in {timeout_s:.0f}s"
+            )
         if job.error is not None:
             self.failed += 1
             stream.abort(job.error)
@@ -119,7 +140,9 @@ class PrefillWorker:
             "logprob": job.logprob,
             "num_cached_tokens": seq.num_cached_tokens,
             "prefill_s": time.monotonic() - job.started,
-            "transfer": dataclasses.asdict(transfer) if dataclasses.is_dataclass(transfer) else transfer,
+            "transfer": dataclasses.asdict(transfer)
+            if dataclasses.is_dataclass(transfer)
+            else transfer,
         }
 
     def cancel(self, request_id: str) -> bool:
@@ -165,7 +188,10 @@ class PrefillWorker:
             sender = self.senders.get(address)
             if sender is None:
                 sender = self.senders[address] = KVSender(
-                    address, kv.token, tls_root_cert=kv.tls_cert, max_frames_in_flight=kv.max_frames_in_flight,
+                    address,
+                    kv.token,
+                    tls_root_cert=kv.tls_cert,
+                    max_frames_in_flight=kv.max_frames_in_flight,
                     timeout_s=kv.lease_timeout_s,
                 )
             return sender
@@ -193,8 +219,11 @@ class PrefillWorker:
                     v_scale = cache.v_scale[layer].index_select(0, blocks)
                 try:
                     job.stream.send_layer(
-                        layer, cache.k[layer].index_select(0, blocks), cache.v[layer].index_select(0, blocks),
-                        k_scale, v_scale,
+                        layer,
+                        cache.k[layer].index_select(0, blocks),
+                        cache.v[layer].index_select(0, blocks),
+                        k_scale,
+                        v_scale,
                     )
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -181,7 +182,29 @@ def add_submit_parser(subparsers) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     p.add_argument("--json", action="store_true", help="print the result (or each chunk) as JSON")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="first wait up to S seconds for the router to be ready (e.g. right after serve)",
+    )
     p.set_defaults(func=run_submit)
+
+
+def wait_until_ready(client: RouterClient, timeout_s: float) -> None:
+    """Poll the router's health until it is ok; RouterError(UNAVAILABLE) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.health().get("status") == "ok":
+                return
+        except RouterError:
+            if time.monotonic() >= deadline:
+                raise
+        if time.monotonic() >= deadline:
+            raise RouterError("UNAVAILABLE", f"the router was not ready within {timeout_s:.0f}s")
+        time.sleep(0.5)
 
 
 def run_submit(args) -> int:
@@ -196,6 +219,8 @@ def run_submit(args) -> int:
     }
     try:
         with RouterClient(args.address, api_key=args.api_key, timeout_s=args.timeout) as client:
+            if args.wait > 0:
+                wait_until_ready(client, args.wait)
             if args.stream:
                 for chunk in client.stream(args.prompt, **sampling):
                     if args.json:

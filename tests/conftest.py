@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Local Ray clusters in tests talk over loopback only (Ray reads this at import time).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -18,7 +18,13 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(namespace="pdcluster", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            namespace="pdcluster",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
     yield ray
     ray.shutdown()
 

@@ -15,7 +15,12 @@ from engine import LLM, SamplingParams
 from tests.integration.conftest import start
 
 ENGINE = {"num_kv_blocks": 96, "max_num_seqs": 64, "max_num_batched_tokens": 512}
-PROMPTS = ["Hello, world", "The quick brown fox jumps over the lazy dog. " * 3, "a", "KV cache " * 12]
+PROMPTS = [
+    "Hello, world",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "a",
+    "KV cache " * 12,
+]
 
 
 def wait_idle(cluster, timeout_s: float = 20.0) -> dict:
@@ -23,9 +28,16 @@ def wait_idle(cluster, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = {name: ray.get(h.stats.remote()) for name, h in cluster.workers.items()}
-        decode_free = all(s["free_blocks"] == s["num_blocks"] and s.get("leases", 0) == 0
-                          for n, s in stats.items() if n.startswith("decode"))
-        prefill_free = all(s["kv_usage"] == 0 and s["running"] == 0 for n, s in stats.items() if n.startswith("prefill"))
+        decode_free = all(
+            s["free_blocks"] == s["num_blocks"] and s.get("leases", 0) == 0
+            for n, s in stats.items()
+            if n.startswith("decode")
+        )
+        prefill_free = all(
+            s["kv_usage"] == 0 and s["running"] == 0
+            for n, s in stats.items()
+            if n.startswith("prefill")
+        )
         if (decode_free and prefill_free) or time.monotonic() > deadline:
             return stats
 
@@ -45,16 +57,29 @@ def openai_client(cluster):
 
 
 def test_openai_completions_and_chat(openai_client):
-    done = openai_client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+    done = openai_client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=8, temperature=0
+    )
     assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens >= 1
-    chunks = list(openai_client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0,
-                                                   stream=True))
+    chunks = list(
+        openai_client.completions.create(
+            model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-    chat = openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=6, temperature=0)
+    chat = openai_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant"
-    streamed = list(openai_client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True))
+    streamed = list(
+        openai_client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == chat.choices[0].message.content
 
@@ -64,12 +89,21 @@ def test_greedy_and_seeded_outputs_equal_the_offline_engine(cluster):
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     url = cluster.urls["http"] + "/v1/completions"
-    for params, extra in ((greedy, {"temperature": 0}), (seeded, {"temperature": 0.8, "top_p": 0.9, "seed": 11})):
+    for params, extra in (
+        (greedy, {"temperature": 0}),
+        (seeded, {"temperature": 0.8, "top_p": 0.9, "seed": 11}),
+    ):
         expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
         got = []
         for prompt in PROMPTS:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "ignore_eos": True,
-                    "return_token_ids": True, **extra}
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 20,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                **extra,
+            }
             response = httpx.post(url, json=body, timeout=60)
             assert response.status_code == 200, response.text
             got.append(response.json()["choices"][0]["token_ids"])
@@ -79,9 +113,17 @@ def test_greedy_and_seeded_outputs_equal_the_offline_engine(cluster):
 def test_64_concurrent_requests_complete_and_free_every_block(cluster):
     async def run():
         async with httpx.AsyncClient(base_url=cluster.urls["http"], timeout=120) as client:
+
             async def one(i: int):
-                body = {"model": "tiny", "prompt": "x" * (1 + (i * 37) % 150), "max_tokens": 1 + (i * 7) % 30,
-                        "ignore_eos": True, "temperature": 0.7, "seed": i, "stream": i % 2 == 0}
+                body = {
+                    "model": "tiny",
+                    "prompt": "x" * (1 + (i * 37) % 150),
+                    "max_tokens": 1 + (i * 7) % 30,
+                    "ignore_eos": True,
+                    "temperature": 0.7,
+                    "seed": i,
+                    "stream": i % 2 == 0,
+                }
                 response = await client.post("/v1/completions", json=body)
                 return i, response
 
@@ -106,8 +148,13 @@ def test_64_concurrent_requests_complete_and_free_every_block(cluster):
 def test_cancelled_stream_frees_blocks_on_both_sides(cluster):
     async def run():
         async with httpx.AsyncClient(base_url=cluster.urls["http"], timeout=60) as client:
-            body = {"model": "tiny", "prompt": "cancel me " * 10, "max_tokens": 1200, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": "tiny",
+                "prompt": "cancel me " * 10,
+                "max_tokens": 1200,
+                "ignore_eos": True,
+                "stream": True,
+            }
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 received = 0
@@ -151,8 +198,14 @@ def test_fp8_wire_stays_within_tolerance(ray_session, cluster):
         expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
         agree = total = 0
         for prompt, want in zip(PROMPTS, expected, strict=True):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             got = httpx.post(running.urls["http"] + "/v1/completions", json=body, timeout=60).json()
             tokens = got["choices"][0]["token_ids"]
             assert tokens[0] == want[0]  # the first token comes from the exact prefill
