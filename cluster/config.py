@@ -22,16 +22,89 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolConfig:
-    replicas: int = 1
+    """One pool's size bounds and per-replica resources. ``replicas`` is shorthand for a
+    fixed size (min = max = initial)."""
+
+    replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    initial_replicas: int | None = None
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for this pool
 
     def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or self.replicas < 1:
+        for name in ("replicas", "min_replicas", "max_replicas", "initial_replicas"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ConfigError(f"{name}: must be an integer >= 0, got {value!r}")
+        if self.replicas is not None and self.replicas < 1:
             raise ConfigError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        if not self.min <= self.initial <= self.max:
+            raise ConfigError(
+                f"replicas: need min_replicas <= initial_replicas <= max_replicas, got "
+                f"{self.min} <= {self.initial} <= {self.max}"
+            )
+        if self.initial < 1:
+            raise ConfigError("initial_replicas: a pool starts with at least one replica")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus and num_gpus must be >= 0")
+
+    @property
+    def initial(self) -> int:
+        if self.initial_replicas is not None:
+            return self.initial_replicas
+        if self.replicas is not None:
+            return self.replicas
+        return max(1, self.min_replicas or 1)
+
+    @property
+    def min(self) -> int:
+        if self.min_replicas is not None:
+            return self.min_replicas
+        return self.replicas if self.replicas is not None else min(1, self.initial_replicas or 1)
+
+    @property
+    def max(self) -> int:
+        if self.max_replicas is not None:
+            return self.max_replicas
+        if self.replicas is not None:
+            return self.replicas
+        return max(self.initial_replicas or 1, self.min_replicas or 1)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets: the ``percentile`` of TTFT (prefill pool) and TPOT (decode pool)."""
+
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 200.0
+    percentile: float = 90.0
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ConfigError("ttft_ms and tpot_ms: must be positive")
+        if not 50.0 <= self.percentile < 100.0:
+            raise ConfigError(f"percentile: must be in [50, 100), got {self.percentile}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How often and how fast the planner may resize the pools."""
+
+    enabled: bool = False
+    interval_s: float = 5.0
+    cooldown_s: float = 30.0  # no scale-down sooner than this after any change of that pool
+    max_step: int = 1  # replicas added or removed per pool per decision
+    warmup_s: float = 10.0  # samples from a replica younger than this are ignored
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.cooldown_s < 0 or self.warmup_s < 0:
+            raise ConfigError("interval_s must be > 0; cooldown_s and warmup_s >= 0")
+        if not isinstance(self.max_step, int) or self.max_step < 1:
+            raise ConfigError(f"max_step: must be an integer >= 1, got {self.max_step!r}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +117,8 @@ class ClusterConfig:
     colocated: PoolConfig = field(default_factory=PoolConfig)
     kv: KVTransferOptions = field(default_factory=KVTransferOptions)
     router: RouterConfig = field(default_factory=RouterConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     torch_threads: int | None = 1  # per worker on CPU: two workers on two cores must not fight
     namespace: str = "pdcluster"
 
@@ -89,8 +164,9 @@ class ClusterConfig:
             kwargs[name] = _build(PoolConfig, section, f"pools.{name}")
         if "kv" in data:
             kwargs["kv"] = _build(KVTransferOptions, data["kv"], "kv")
-        if "router" in data:
-            kwargs["router"] = _build(RouterConfig, data["router"], "router")
+        for key, kind in (("router", RouterConfig), ("slo", SLOConfig), ("planner", PlannerConfig)):
+            if key in data:
+                kwargs[key] = _build(kind, data[key], key)
         try:
             return cls(**kwargs)
         except TypeError as err:

@@ -47,10 +47,10 @@ class RunningCluster:
 
 def _requested_cpus(config: ClusterConfig) -> float:
     if config.mode == "colocated":
-        return config.colocated.replicas * config.colocated.num_cpus
+        return config.colocated.initial * config.colocated.num_cpus
     return (
-        config.prefill.replicas * config.prefill.num_cpus
-        + config.decode.replicas * config.decode.num_cpus
+        config.prefill.initial * config.prefill.num_cpus
+        + config.decode.initial * config.decode.num_cpus
     )
 
 
@@ -115,7 +115,7 @@ def _start_workers(running: RunningCluster) -> None:
         ]
     for pool, cls, pool_config, concurrency in specs:
         options = config.worker_options(pool)
-        for index in range(pool_config.replicas):
+        for index in range(pool_config.initial):
             name = f"{pool}-{index}"
             running.workers[name] = (
                 ray.remote(cls)

@@ -11,7 +11,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
 def test_example_configs_load():
     config = ClusterConfig.from_yaml(CONFIGS / "local-cpu.yaml")
-    assert config.model == "tiny" and config.decode.replicas == 1
+    assert config.model == "tiny" and config.decode.initial == 1
     assert config.engine_config("decode").num_kv_blocks == 1024
     assert config.kv.wire_dtype == "fp8" and config.router.port == 8000
 
@@ -22,6 +22,9 @@ def test_example_configs_load():
         ({"modle": "tiny"}, "unknown key.*modle"),
         ({"mode": "split"}, "mode"),
         ({"pools": {"prefill": {"replicas": 0}}}, r"pools\.prefill: replicas"),
+    ({"pools": {"decode": {"min_replicas": 3, "max_replicas": 2}}}, r"pools\.decode: replicas: need min"),
+    ({"slo": {"percentile": 100}}, r"slo: percentile"),
+    ({"planner": {"max_step": 0}}, r"planner: max_step"),
         ({"pools": {"prefil": {}}}, r"pools\.prefil: unknown pool"),
         ({"pools": {"decode": {"gpus": 1}}}, r"pools\.decode: unknown key.*gpus"),
         ({"kv": {"wire_dtype": "int4"}}, r"kv: .*wire_dtype"),
