@@ -1,0 +1,211 @@
+"""Layer payloads: K/V blocks of one layer to wire bytes and back, passthrough or fp8.
+
+Sender side: :func:`encode_layer` turns one layer's gathered blocks ``[n, bs, Hkv, D]`` into
+CPU tensors of the wire dtype (fp8 e4m3 with one scale per (block, kv head) via
+``engine.kernels.kv_codec``, or the cache dtype unchanged), and :func:`layer_chunks` cuts them
+into frame payloads of bounded size. Receiver side: :func:`decode_chunk` views a payload as
+tensors (``torch.frombuffer``: no per-element Python) and converts them into the receiving
+cache's dtype on its device. Pure functions, thread-safe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels.kv_codec import dequantize_kv_blocks, quantize_kv_blocks
+from kv_transfer.errors import FrameError
+
+FP8 = torch.float8_e4m3fn
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    FP8: "float8_e4m3fn",
+}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+# Payloads arrive as immutable ``bytes``; the tensors viewing them are only read (copied into
+# the cache), so torch's warning about non-writable buffers does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"KV dtype {dtype} cannot be transferred (use {list(_DTYPE_NAMES)})")
+    return _DTYPE_NAMES[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def payload_dtype_for(wire_dtype: str, cache_dtype: torch.dtype) -> torch.dtype:
+    """Element dtype on the wire: fp8 for the fp8 wire, else the sender's cache dtype."""
+    if wire_dtype == "fp8":
+        return FP8
+    if wire_dtype != "passthrough":
+        raise ValueError(f"wire_dtype must be 'passthrough' or 'fp8', got {wire_dtype!r}")
+    if cache_dtype == FP8:
+        raise ValueError("an fp8 cache is sent with wire_dtype 'fp8' (its pages as they are)")
+    dtype_name(cache_dtype)
+    return cache_dtype
+
+
+@dataclass(frozen=True)
+class WireSpec:
+    """Shape of the payloads of one transfer (both sides derive it from the handshake)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # payload element dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K (or of V) of one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one block's scales for K (or V): one float32 per kv head, fp8 only."""
+        return 4 * self.num_kv_heads if self.is_fp8 else 0
+
+    def chunk_bytes(self, block_count: int) -> int:
+        return 2 * block_count * (self.block_bytes + self.scale_bytes)
+
+    def blocks_per_frame(self, max_frame_bytes: int) -> int:
+        return max(1, max_frame_bytes // self.chunk_bytes(1))
+
+
+@dataclass(frozen=True)
+class EncodedLayer:
+    """One layer ready for the wire: contiguous CPU tensors."""
+
+    k: torch.Tensor  # [n, bs, Hkv, D] payload dtype
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [n, Hkv] float32 (fp8 wire only)
+    v_scale: torch.Tensor | None
+
+
+def _quantize(x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_kv_blocks(x)
+    tail = num_tokens % x.shape[1]
+    if tail:
+        # Rows past the last token hold stale data; their amax must not coarsen the scale of
+        # the real rows. Requantise only the last block, from a zeroed copy.
+        last = x[-1:].clone()
+        last[:, tail:] = 0
+        q_last, s_last = quantize_kv_blocks(last)
+        q[-1:] = q_last
+        scale[-1:] = s_last
+    return q, scale
+
+
+def encode_layer(
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    *,
+    wire_dtype: str,
+    num_tokens: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> EncodedLayer:
+    """Blocks of one layer (any device) → wire tensors on the CPU.
+
+    An fp8 source (``k_scale``/``v_scale`` given) goes out as its pages; a float source on the
+    fp8 wire is quantised where it lives (on the GPU that is the Triton kernel), so only fp8
+    bytes cross to the host.
+    """
+    if k_blocks.shape != v_blocks.shape or k_blocks.dim() != 4:
+        raise ValueError(
+            f"k and v blocks must both be [n, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}"
+        )
+    source_fp8 = k_blocks.dtype == FP8
+    if source_fp8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("scales must be given exactly when the blocks are fp8")
+    if wire_dtype == "fp8":
+        if source_fp8:
+            k, v, ks, vs = k_blocks, v_blocks, k_scale, v_scale
+        else:
+            k, ks = _quantize(k_blocks, num_tokens)
+            v, vs = _quantize(v_blocks, num_tokens)
+        cpu = lambda t: t.detach().to("cpu").contiguous()
+        return EncodedLayer(cpu(k), cpu(v), cpu(ks.float()), cpu(vs.float()))
+    payload_dtype_for(wire_dtype, k_blocks.dtype)
+    return EncodedLayer(
+        k_blocks.detach().to("cpu").contiguous(),
+        v_blocks.detach().to("cpu").contiguous(),
+        None,
+        None,
+    )
+
+
+def _rows(t: torch.Tensor) -> memoryview:
+    # One row of bytes per block, so a group of blocks is a memoryview slice (no copy).
+    return memoryview(t.view(torch.uint8).reshape(t.shape[0], -1).numpy())
+
+
+def layer_chunks(layer: EncodedLayer, blocks_per_frame: int) -> Iterator[tuple[int, int, bytes]]:
+    """(block_start, block_count, payload) per frame: K rows, V rows, then K and V scales."""
+    n = layer.k.shape[0]
+    parts = [_rows(layer.k), _rows(layer.v)]
+    if layer.k_scale is not None:
+        parts += [_rows(layer.k_scale), _rows(layer.v_scale)]
+    for start in range(0, n, blocks_per_frame):
+        stop = min(n, start + blocks_per_frame)
+        yield start, stop - start, b"".join(p[start:stop] for p in parts)
+
+
+def decode_chunk(
+    payload: bytes,
+    block_count: int,
+    spec: WireSpec,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Payload of ``block_count`` blocks → (k, v, k_scale, v_scale) ready to copy into a cache
+    of ``cache_dtype`` on ``device``. Scales are returned only for an fp8 cache (pages stored as
+    they came); a float cache gets the fp8 payload dequantised, or a passthrough payload cast
+    (a no-op, so bit-exact, when the dtypes agree). Raises FrameError on a wrong size."""
+    expected = spec.chunk_bytes(block_count)
+    if len(payload) != expected:
+        raise FrameError(
+            f"payload of {block_count} blocks must be {expected} bytes, got {len(payload)}"
+        )
+    shape = (block_count, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    elements = block_count * spec.block_size * spec.num_kv_heads * spec.head_dim
+    span = block_count * spec.block_bytes
+
+    def view(offset: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        return torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+
+    k = view(0, spec.dtype, elements).view(shape).to(device)
+    v = view(span, spec.dtype, elements).view(shape).to(device)
+    if not spec.is_fp8:
+        return k.to(cache_dtype), v.to(cache_dtype), None, None
+    heads = spec.num_kv_heads
+    k_scale = view(2 * span, torch.float32, block_count * heads).view(block_count, heads)
+    v_scale = view(2 * span + 4 * block_count * heads, torch.float32, block_count * heads)
+    v_scale = v_scale.view(block_count, heads)
+    for scale in (k_scale, v_scale):
+        # A scale that is not a positive finite number would poison every value it scales.
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise FrameError("fp8 scales must be positive finite numbers")
+    k_scale, v_scale = k_scale.to(device), v_scale.to(device)
+    if cache_dtype == FP8:
+        return k, v, k_scale, v_scale
+    return (
+        dequantize_kv_blocks(k, k_scale, cache_dtype),
+        dequantize_kv_blocks(v, v_scale, cache_dtype),
+        None,
+        None,
+    )

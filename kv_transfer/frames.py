@@ -1,0 +1,221 @@
+"""The wire format of one KV transfer: frames of msgpack metadata + raw payload + crc32.
+
+A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
+
+1. a **handshake** frame (no payload): ``{"type": "handshake", "version", "request_id",
+   "lease_id", "fingerprint", "block_size", "num_tokens", "wire_dtype", "payload_dtype",
+   "layout"}``; the receiver refuses a mismatch before it decodes anything else;
+2. **kv** frames, per layer or per group of blocks of a layer: ``{"type": "kv", "layer",
+   "block_start", "block_count"}``; the payload is the K blocks then the V blocks
+   ``[block_count, block_size, num_kv_heads, head_dim]`` of ``payload_dtype`` (row-major,
+   ``LAYOUT``), followed for fp8 by the K then V scales ``[block_count, num_kv_heads]``
+   float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
+   groups come in order and without gaps;
+3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``.
+
+Every frame carries ``crc32 = zlib.crc32(meta + payload)``. Decoding validates types and
+ranges of the metadata strictly (never trusts the peer) and raises :class:`FrameError`;
+handshake compatibility raises :class:`HandshakeError`. Pure functions, thread-safe.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+from kv_transfer.errors import FrameError, HandshakeError
+
+PROTOCOL_VERSION = 1
+# Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
+# PagedKVCache layout, so a payload is a straight copy of pages.
+LAYOUT = "blocks,block_size,kv_heads,head_dim"
+WIRE_DTYPES = ("passthrough", "fp8")
+PAYLOAD_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+MAX_META_BYTES = 64 * 1024
+
+HANDSHAKE = "handshake"
+KV = "kv"
+END = "end"
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What the sender promises about the stream that follows."""
+
+    request_id: str
+    lease_id: str
+    fingerprint: dict[str, Any]  # ModelConfig.fingerprint()
+    block_size: int
+    num_tokens: int
+    wire_dtype: str  # passthrough | fp8
+    payload_dtype: str  # element dtype of the K/V payloads, e.g. "bfloat16", "float8_e4m3fn"
+    layout: str = LAYOUT
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"type": HANDSHAKE, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class KVFrame:
+    layer: int
+    block_start: int
+    block_count: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class EndFrame:
+    first_token: int
+    num_kv_frames: int
+
+
+Frame = Handshake | KVFrame | EndFrame
+
+
+def checksum(meta: bytes, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(meta))
+
+
+def encode_frame(meta: dict[str, Any], payload: bytes = b"") -> tuple[bytes, bytes, int]:
+    """(meta bytes, payload, crc32) of one frame."""
+    packed = msgpack.packb(meta, use_bin_type=True)
+    return packed, payload, checksum(packed, payload)
+
+
+def encode_handshake(handshake: Handshake) -> tuple[bytes, bytes, int]:
+    return encode_frame(handshake.to_meta())
+
+
+def encode_kv(
+    layer: int, block_start: int, block_count: int, payload: bytes
+) -> tuple[bytes, bytes, int]:
+    meta = {"type": KV, "layer": layer, "block_start": block_start, "block_count": block_count}
+    return encode_frame(meta, payload)
+
+
+def encode_end(first_token: int, num_kv_frames: int) -> tuple[bytes, bytes, int]:
+    return encode_frame({"type": END, "first_token": first_token, "num_kv_frames": num_kv_frames})
+
+
+def normalise_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint as it looks after a trip through msgpack (tuples become lists), so a
+    local one compares equal to one received."""
+    return msgpack.unpackb(msgpack.packb(fingerprint, use_bin_type=True), raw=False)
+
+
+# ---- decoding -----------------------------------------------------------------------------
+
+
+def _int(meta: dict, key: str, *, minimum: int = 0) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise FrameError(f"frame field {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _str(meta: dict, key: str, *, max_len: int = 256) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= max_len:
+        raise FrameError(f"frame field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
+    """Verify and parse one frame. Raises FrameError (checksum, metadata, types, ranges)."""
+    if len(meta) > MAX_META_BYTES:
+        raise FrameError(f"frame metadata is {len(meta)} bytes (limit {MAX_META_BYTES})")
+    if checksum(meta, payload) != crc:
+        raise FrameError("frame checksum mismatch (corrupted frame)")
+    try:
+        fields = msgpack.unpackb(meta, raw=False, strict_map_key=True)
+    except Exception as err:  # msgpack raises several unrelated types for garbage
+        raise FrameError(f"frame metadata is not valid msgpack: {err}") from None
+    if not isinstance(fields, dict):
+        raise FrameError("frame metadata must be a msgpack map")
+    kind = fields.get("type")
+    if kind == KV:
+        return KVFrame(
+            layer=_int(fields, "layer"),
+            block_start=_int(fields, "block_start"),
+            block_count=_int(fields, "block_count", minimum=1),
+            payload=payload,
+        )
+    if payload:
+        raise FrameError(f"a {kind!r} frame carries no payload, got {len(payload)} bytes")
+    if kind == HANDSHAKE:
+        fingerprint = fields.get("fingerprint")
+        if not isinstance(fingerprint, dict):
+            raise FrameError("handshake field 'fingerprint' must be a map")
+        return Handshake(
+            request_id=_str(fields, "request_id"),
+            lease_id=_str(fields, "lease_id"),
+            fingerprint=fingerprint,
+            block_size=_int(fields, "block_size", minimum=1),
+            num_tokens=_int(fields, "num_tokens", minimum=1),
+            wire_dtype=_str(fields, "wire_dtype"),
+            payload_dtype=_str(fields, "payload_dtype"),
+            layout=_str(fields, "layout"),
+            version=_int(fields, "version"),
+        )
+    if kind == END:
+        return EndFrame(
+            first_token=_int(fields, "first_token"),
+            num_kv_frames=_int(fields, "num_kv_frames"),
+        )
+    raise FrameError(f"unknown frame type {kind!r}")
+
+
+def check_version(handshake: Handshake) -> None:
+    if handshake.version != PROTOCOL_VERSION:
+        raise HandshakeError(
+            f"protocol version {handshake.version} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION})"
+        )
+
+
+def check_compatible(
+    handshake: Handshake, *, fingerprint: dict[str, Any], block_size: int, cache_is_fp8: bool
+) -> None:
+    """Refuse (HandshakeError) a stream the receiver cannot store exactly as promised."""
+    check_version(handshake)
+    ours = normalise_fingerprint(fingerprint)
+    if handshake.fingerprint != ours:
+        diff = sorted(
+            k
+            for k in set(ours) | set(handshake.fingerprint)
+            if ours.get(k) != handshake.fingerprint.get(k)
+        )
+        raise HandshakeError(
+            f"model fingerprint mismatch in {diff}: sender {handshake.fingerprint}, receiver {ours}"
+        )
+    if handshake.block_size != block_size:
+        raise HandshakeError(
+            f"block size mismatch: sender {handshake.block_size}, receiver {block_size}"
+        )
+    if handshake.layout != LAYOUT:
+        raise HandshakeError(f"layout {handshake.layout!r} is not supported (expected {LAYOUT!r})")
+    if handshake.wire_dtype not in WIRE_DTYPES:
+        raise HandshakeError(
+            f"wire dtype {handshake.wire_dtype!r} is not supported (choose {WIRE_DTYPES})"
+        )
+    if handshake.payload_dtype not in PAYLOAD_DTYPES:
+        raise HandshakeError(f"payload dtype {handshake.payload_dtype!r} is not supported")
+    is_fp8_payload = handshake.payload_dtype == "float8_e4m3fn"
+    if (handshake.wire_dtype == "fp8") != is_fp8_payload:
+        raise HandshakeError(
+            f"wire dtype {handshake.wire_dtype!r} does not match payload dtype "
+            f"{handshake.payload_dtype!r}"
+        )
+    if cache_is_fp8 and not is_fp8_payload:
+        raise HandshakeError(
+            "the receiver's cache is fp8: send with wire dtype 'fp8' (passthrough would need "
+            "requantisation on the receiver)"
+        )

@@ -1,0 +1,420 @@
+"""Sender → receiver over gRPC on 127.0.0.1: exact round trips, refusals that change nothing
+and leak nothing, access control (token, TLS), leases freed when a transfer dies."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from kv_transfer import KVSender, KVTransferError, frames
+from kv_transfer.codec import FP8
+from tests.kv_transfer.helpers import (
+    BLOCK_SIZE,
+    FINGERPRINT,
+    MODEL,
+    TOKEN,
+    equal_bytes,
+    handshake,
+    layer_frames,
+    pb,
+    push_raw,
+    random_blocks,
+    snapshot,
+    start_receiver,
+)
+
+L = MODEL.num_layers
+
+
+@pytest.fixture
+def receiver(request):
+    dtype = getattr(request, "param", torch.bfloat16)
+    r = start_receiver(dtype)
+    yield r
+    r.server.stop(0)
+
+
+def _send(address, lease, k, v, *, wire="passthrough", num_tokens=None, scales=None, **kw):
+    num_tokens = num_tokens or lease.num_tokens
+    with KVSender(address, TOKEN, **kw) as sender:
+        stream = sender.open(
+            lease.request_id, lease.lease_id, FINGERPRINT, BLOCK_SIZE, num_tokens, L, wire, k.dtype
+        )
+        for layer in range(L):
+            stream.send_layer(layer, k[layer], v[layer], *(scales or ()))
+        return stream.finish(first_token=11)
+
+
+def _layers(n, dtype, seed=0):
+    ks, vs = zip(*(random_blocks(n, dtype, seed=seed + i) for i in range(L)), strict=True)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def _others_unchanged(receiver, before, lease_blocks):
+    """Every block outside ``lease_blocks`` holds exactly what it held before."""
+    others = [b for b in range(receiver.cache.num_blocks) if b not in set(lease_blocks)]
+    for old, new in zip(before, snapshot(receiver.cache), strict=True):
+        assert equal_bytes(old[:, others], new[:, others])
+
+
+@pytest.mark.parametrize("receiver", [torch.float32, torch.float16, torch.bfloat16], indirect=True)
+def test_passthrough_round_trip_is_bit_exact(receiver):
+    dtype = receiver.cache.dtype
+    free = receiver.free_blocks()
+    done = []
+    receiver.leases.on_complete = done.append
+    lease = receiver.leases.reserve("req-1", 3 * BLOCK_SIZE + 1)  # 4 blocks, last one partial
+    before = snapshot(receiver.cache)
+    k, v = _layers(4, dtype)
+    result = _send(receiver.address, lease, k, v, max_frame_bytes=4096)  # several frames/layer
+    assert result.num_frames > 2 + L
+    assert done == [lease] and lease.state == "complete" and lease.first_token == 11
+    for layer in range(L):
+        assert equal_bytes(receiver.cache.k[layer, lease.block_ids], k[layer])
+        assert equal_bytes(receiver.cache.v[layer, lease.block_ids], v[layer])
+    _others_unchanged(receiver, before, lease.block_ids)
+    # The blocks are now the decode worker's; the table no longer counts or frees them.
+    assert receiver.leases.active() == 0 and receiver.free_blocks() == free - 4
+    stats = receiver.server.stats
+    assert stats.transfers_completed == 1 and stats.bytes_received == result.payload_bytes
+
+
+@pytest.mark.parametrize("receiver", [torch.bfloat16, FP8], indirect=True)
+def test_fp8_wire_round_trip(receiver):
+    lease = receiver.leases.reserve("req-8", 2 * BLOCK_SIZE)
+    k, v = _layers(2, torch.bfloat16)
+    result = _send(receiver.address, lease, k, v, wire="fp8")
+    assert result.payload_bytes < result.kv_bytes * 0.6
+    cache = receiver.cache
+    for layer in range(L):
+        for src, dst, scale in (
+            (k, cache.k, cache.k_scale),
+            (v, cache.v, cache.v_scale),
+        ):
+            got = dst[layer, lease.block_ids].float()
+            if cache.is_fp8:
+                got = got * scale[layer, lease.block_ids][:, None, :, None]
+            amax = src[layer].float().abs().amax(dim=(1, 3), keepdim=True)
+            # half an e4m3 ulp at the top of the range, plus bf16 rounding of the result
+            assert bool(((got - src[layer].float()).abs() <= amax * (2**-4 + 2**-8)).all())
+
+
+@pytest.mark.parametrize("receiver", [FP8], indirect=True)
+def test_fp8_pages_are_stored_as_they_are(receiver):
+    lease = receiver.leases.reserve("req-p", 2 * BLOCK_SIZE)
+    k, v = _layers(2, torch.float32)
+    k, v = k.to(FP8), v.to(FP8)
+    ks = torch.rand(L, 2, MODEL.num_kv_heads) + 0.1
+    vs = torch.rand(L, 2, MODEL.num_kv_heads) + 0.1
+    with KVSender(receiver.address, TOKEN) as sender:
+        stream = sender.open("req-p", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "fp8", FP8)
+        for layer in range(L):
+            stream.send_layer(layer, k[layer], v[layer], ks[layer], vs[layer])
+        stream.finish(1)
+    cache = receiver.cache
+    assert equal_bytes(cache.k[:, lease.block_ids], k)
+    assert equal_bytes(cache.v[:, lease.block_ids], v)
+    assert torch.equal(cache.k_scale[:, lease.block_ids], ks)
+    assert torch.equal(cache.v_scale[:, lease.block_ids], vs)
+
+
+# ---- refusals: status, cache unchanged, nothing leaked -------------------------------------
+
+
+def _bad_streams(lease, k, v):
+    """name → (frames, expected status, message fragment)."""
+    hs = pb(frames.encode_handshake(handshake(lease)))
+    layers = [f for layer in range(L) for f in layer_frames(layer, k[layer], v[layer])]
+    end = pb(frames.encode_end(1, len(layers)))
+    corrupt = pb(frames.encode_kv(0, 0, 2, bytes(layers[0].payload)))
+    corrupt.crc32 ^= 1
+    short = pb(frames.encode_kv(0, 0, 2, bytes(layers[0].payload)[:-2]))
+    other = frames.encode_handshake(handshake(lease, lease_id="f" * 32))
+    invalid = frames.encode_handshake(handshake(lease, fingerprint={**FINGERPRINT, "head_dim": 8}))
+    return {
+        "unknown lease": ([pb(other), *layers, end], "NOT_FOUND", "unknown lease"),
+        "handshake mismatch": ([pb(invalid), *layers, end], "FAILED_PRECONDITION", "fingerprint"),
+        "wrong request": (
+            [pb(frames.encode_handshake(handshake(lease, request_id="someone-else")))],
+            "FAILED_PRECONDITION",
+            "belongs to request",
+        ),
+        "too many tokens": (
+            [pb(frames.encode_handshake(handshake(lease, num_tokens=lease.num_tokens + 16)))],
+            "INVALID_ARGUMENT",
+            "lease",
+        ),
+        "no handshake": ([*layers, end], "INVALID_ARGUMENT", "handshake"),
+        "duplicate layer": ([hs, *layers, layers[0], end], "INVALID_ARGUMENT", "duplicate layer"),
+        "missing layer": ([hs, *layers[:-1], end], "INVALID_ARGUMENT", "missing"),
+        "layer out of range": (
+            [hs, pb(frames.encode_kv(L, 0, 2, bytes(layers[0].payload)))],
+            "INVALID_ARGUMENT",
+            "out of range",
+        ),
+        "blocks out of range": (
+            [hs, pb(frames.encode_kv(0, 1, 2, bytes(layers[0].payload)))],
+            "INVALID_ARGUMENT",
+            "out of range",
+        ),
+        "wrong payload size": ([hs, short], "INVALID_ARGUMENT", "bytes"),
+        "bad checksum": ([hs, corrupt], "INVALID_ARGUMENT", "checksum"),
+        "truncated": ([hs, *layers], "INVALID_ARGUMENT", "truncated"),
+        "empty": ([], "INVALID_ARGUMENT", "empty"),
+    }
+
+
+BAD = [
+    "unknown lease",
+    "handshake mismatch",
+    "wrong request",
+    "too many tokens",
+    "no handshake",
+    "duplicate layer",
+    "missing layer",
+    "layer out of range",
+    "blocks out of range",
+    "wrong payload size",
+    "bad checksum",
+    "truncated",
+    "empty",
+]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_stream_is_refused_and_changes_nothing(receiver, case):
+    free = receiver.free_blocks()
+    other = receiver.leases.reserve("bystander", 20)  # another request's blocks: never touched
+    lease = receiver.leases.reserve("req-bad", 2 * BLOCK_SIZE)
+    before = snapshot(receiver.cache)
+    k, v = _layers(2, torch.bfloat16)
+    messages, status, fragment = _bad_streams(lease, k, v)[case]
+    code, details = push_raw(receiver.address, messages)
+    assert code == grpc.StatusCode[status], details
+    assert fragment in details
+    # Nothing outside the refused lease's own blocks was written.
+    _others_unchanged(receiver, before, lease.block_ids)
+    attached = case not in ("unknown lease", "wrong request", "no handshake", "empty")
+    if attached:  # the refused transfer's lease went back to the pool at once
+        assert lease.state == "released"
+        assert receiver.free_blocks() == free - len(other.block_ids)
+    else:
+        assert lease.state == "reserved"
+    assert other.state == "reserved"
+    receiver.leases.release(lease.lease_id, "test over")
+    receiver.leases.release(other.lease_id, "test over")
+    assert receiver.free_blocks() == free
+    # The receiver still serves a good transfer afterwards.
+    good = receiver.leases.reserve("req-good", 2 * BLOCK_SIZE)
+    _send(receiver.address, good, k, v)
+    assert equal_bytes(receiver.cache.k[:, good.block_ids], k)
+
+
+def test_expired_lease_is_refused(receiver):
+    lease = receiver.leases.reserve("req-x", 16, timeout_s=0.05)
+    time.sleep(0.2)
+    k, v = _layers(1, torch.bfloat16)
+    with pytest.raises(KVTransferError) as err:
+        _send(receiver.address, lease, k, v)
+    assert err.value.code in ("NOT_FOUND", "FAILED_PRECONDITION")
+    assert "expired" in err.value.message or "released" in err.value.message
+    assert receiver.leases.active() == 0 and receiver.free_blocks() == receiver.cache.num_blocks
+
+
+def test_sender_sees_the_receivers_status(receiver):
+    lease = receiver.leases.reserve("req-s", 16)
+    k, v = _layers(1, torch.bfloat16)
+    bad = {**FINGERPRINT, "num_kv_heads": MODEL.num_kv_heads}  # same shape, other architecture
+    bad["architecture"] = "qwen2"
+    with KVSender(receiver.address, TOKEN) as sender:
+        stream = sender.open(
+            "req-s", lease.lease_id, bad, BLOCK_SIZE, 16, L, "passthrough", k.dtype
+        )
+        with pytest.raises(KVTransferError) as err:
+            for layer in range(L):
+                stream.send_layer(layer, k[layer], v[layer])
+            stream.finish(0)
+    assert err.value.code == "FAILED_PRECONDITION" and "architecture" in err.value.message
+    assert receiver.free_blocks() == receiver.cache.num_blocks
+
+
+# ---- access ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_peer_without_the_token_is_refused(receiver, token):
+    lease = receiver.leases.reserve("req-t", 16)
+    before = snapshot(receiver.cache)
+    k, v = _layers(1, torch.bfloat16)
+    hs = pb(frames.encode_handshake(handshake(lease)))
+    code, details = push_raw(receiver.address, [hs, *layer_frames(0, k[0], v[0])], token=token)
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "token" in details
+    assert lease.state == "reserved"  # an unauthenticated peer cannot even touch the lease
+    _others_unchanged(receiver, before, [])
+
+
+def _self_signed() -> tuple[bytes, bytes]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_tls_transfer_and_plaintext_peer_refused():
+    pytest.importorskip("cryptography")
+    cert, key = _self_signed()
+    r = start_receiver(torch.bfloat16, tls=(cert, key))
+    try:
+        lease = r.leases.reserve("req-tls", 20)
+        k, v = _layers(2, torch.bfloat16)
+        _send(r.address, lease, k, v, tls_root_cert=cert)
+        assert equal_bytes(r.cache.k[:, lease.block_ids], k)
+        lease2 = r.leases.reserve("req-plain", 20)
+        with pytest.raises(KVTransferError) as err:
+            _send(r.address, lease2, k, v, timeout_s=2.0)
+        assert err.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        assert lease2.state == "reserved"
+    finally:
+        r.server.stop(0)
+
+
+# ---- dying transfers ------------------------------------------------------------------------
+
+
+def test_abort_releases_the_lease_at_once(receiver):
+    lease = receiver.leases.reserve("req-a", 2 * BLOCK_SIZE)
+    k, v = _layers(2, torch.bfloat16)
+    with KVSender(receiver.address, TOKEN) as sender:
+        stream = sender.open(
+            "req-a", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
+        )
+        stream.send_layer(0, k[0], v[0])
+        _wait(lambda: lease.state == "receiving")
+        stream.abort("prefill failed")
+        _wait(lambda: lease.state == "released")
+    assert receiver.free_blocks() == receiver.cache.num_blocks
+    assert receiver.server.stats.transfers_failed == 1
+
+
+def test_stalled_sender_frees_blocks_after_the_lease_timeout(receiver):
+    """A sender that stops mid-stream (hung, or dead without closing its connection) keeps
+    its lease only until the deadline; the sweeper then frees the blocks."""
+    lease = receiver.leases.reserve("req-k", 2 * BLOCK_SIZE, timeout_s=0.3)
+    k, v = _layers(2, torch.bfloat16)
+    sender = KVSender(receiver.address, TOKEN)
+    stream = sender.open(
+        "req-k", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
+    )
+    stream.send_layer(0, k[0], v[0])
+    _wait(lambda: lease.state == "receiving")
+    assert receiver.free_blocks() == receiver.cache.num_blocks - 2
+    _wait(lambda: lease.state == "released", timeout=2.0)  # the sweeper, not the stream
+    assert lease.release_reason == "expired"
+    assert receiver.free_blocks() == receiver.cache.num_blocks
+    # A frame arriving after expiry is refused without a write.
+    before = snapshot(receiver.cache)
+    with pytest.raises(KVTransferError) as err:
+        stream.send_layer(1, k[1], v[1])
+        stream.finish(0)
+    assert err.value.code == "DEADLINE_EXCEEDED"
+    _others_unchanged(receiver, before, [])
+    sender.close()
+
+
+def test_killed_channel_mid_stream_frees_blocks(receiver):
+    lease = receiver.leases.reserve("req-c", 2 * BLOCK_SIZE)
+    k, v = _layers(2, torch.bfloat16)
+    sender = KVSender(receiver.address, TOKEN)
+    stream = sender.open(
+        "req-c", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
+    )
+    stream.send_layer(0, k[0], v[0])
+    _wait(lambda: lease.state == "receiving")
+    sender.close()  # the connection goes away under the stream
+    _wait(lambda: lease.state == "released")
+    assert receiver.free_blocks() == receiver.cache.num_blocks
+
+
+class _StalledCall:
+    """A Push call whose transport never takes a frame (a stalled network or receiver)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def done(self) -> bool:
+        return self.cancelled.is_set()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+    def result(self, timeout=None):
+        raise grpc.FutureCancelledError()
+
+
+def test_backpressure_bounds_frames_in_flight():
+    """send_layer blocks once max_frames_in_flight frames wait, so a stalled transfer holds
+    a bounded amount of memory; abort unblocks it."""
+    k, v = _layers(8, torch.bfloat16)
+    sender = KVSender("127.0.0.1:1", TOKEN, max_frames_in_flight=3, max_frame_bytes=2048)
+    call = _StalledCall()
+    sender._stub = type("Stub", (), {"Push": type("M", (), {"future": lambda *a, **kw: call})()})()
+    stream = sender.open("r", "l", FINGERPRINT, BLOCK_SIZE, 128, L, "passthrough", k.dtype)
+    errors = []
+
+    def send():
+        try:
+            for layer in range(L):
+                stream.send_layer(layer, k[layer], v[layer])
+        except KVTransferError as err:
+            errors.append(err)
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive() and stream.num_frames == 3  # handshake + 2 frames, then blocked
+    stream.abort("test")
+    worker.join(2)
+    assert not worker.is_alive() and errors and errors[0].code == "CANCELLED"
+    sender.close()
+
+
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
