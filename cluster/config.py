@@ -13,7 +13,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.worker_options import KVTransferOptions, WorkerOptions
-from router.config import RouterConfig
+from router.config import RouterConfig, RouterLimits
 
 
 class ConfigError(ValueError):
@@ -117,6 +117,7 @@ class ClusterConfig:
     colocated: PoolConfig = field(default_factory=PoolConfig)
     kv: KVTransferOptions = field(default_factory=KVTransferOptions)
     router: RouterConfig = field(default_factory=RouterConfig)
+    limits: RouterLimits = field(default_factory=RouterLimits)  # YAML: router.limits
     slo: SLOConfig = field(default_factory=SLOConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     torch_threads: int | None = 1  # per worker on CPU: two workers on two cores must not fight
@@ -148,7 +149,7 @@ class ClusterConfig:
         if not isinstance(data, dict):
             raise ConfigError("the config must be a mapping")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known - {"pools"})
+        unknown = sorted(set(data) - known - {"pools"} | ({"limits"} & set(data)))
         if unknown:
             raise ConfigError(f"unknown key(s): {', '.join(unknown)}")
         kwargs: dict[str, Any] = {
@@ -164,7 +165,12 @@ class ClusterConfig:
             kwargs[name] = _build(PoolConfig, section, f"pools.{name}")
         if "kv" in data:
             kwargs["kv"] = _build(KVTransferOptions, data["kv"], "kv")
-        for key, kind in (("router", RouterConfig), ("slo", SLOConfig), ("planner", PlannerConfig)):
+        if "router" in data:
+            router = dict(data["router"]) if isinstance(data["router"], dict) else data["router"]
+            if isinstance(router, dict) and "limits" in router:
+                kwargs["limits"] = _build(RouterLimits, router.pop("limits"), "router.limits")
+            kwargs["router"] = _build(RouterConfig, router, "router")
+        for key, kind in (("slo", SLOConfig), ("planner", PlannerConfig)):
             if key in data:
                 kwargs[key] = _build(kind, data[key], key)
         try:

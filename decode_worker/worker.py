@@ -110,6 +110,17 @@ class EngineWorker:
                 "uptime_s": time.time() - self.started_at,
             }
 
+    def calibrate(self) -> dict:
+        """Measure this replica's capacity (briefly holds the engine: call at start-up)."""
+        from engine.calibration import measure_capacity
+
+        with self.loop.lock:
+            capacity = measure_capacity(self.engine)
+            bm = self.engine.block_manager
+            capacity["max_num_seqs"] = self.engine.config.max_num_seqs
+            capacity["kv_tokens"] = bm.num_blocks * bm.block_size
+        return capacity
+
     def info(self) -> dict:
         engine = self.engine
         return {

@@ -81,6 +81,13 @@ class PrefillWorker:
             "vocab_size": engine.model_config.vocab_size,
         }
 
+    def calibrate(self) -> dict:
+        """Measure this replica's prefill throughput (call at start-up, before traffic)."""
+        from engine.calibration import measure_capacity
+
+        with self.loop.lock:
+            return measure_capacity(self.engine)
+
     def prefill(
         self,
         request_id: str,
@@ -157,12 +164,16 @@ class PrefillWorker:
         return True
 
     def stats(self) -> dict:
+        now = time.monotonic()
         with self.loop.lock:
             engine = self.engine
             bm = engine.block_manager
             return {
                 "name": self.name,
                 "queued_tokens": sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting),
+                "oldest_wait_s": max(
+                    (now - s.arrival_time for s in engine.scheduler.waiting), default=0.0
+                ),
                 "waiting": len(engine.scheduler.waiting),
                 "running": len(self.jobs),
                 "prefix_hit_tokens": bm.prefix_hit_tokens,

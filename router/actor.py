@@ -18,38 +18,44 @@ class RouterActor:
         self.http_task: asyncio.Task | None = None
         self.grpc_server = None
         self.urls: dict = {}
+        self.namespace = "pdcluster"
 
     async def start(
         self,
         *,
         model: str,
         router_config: dict,
-        prefill: list[str],
-        decode: list[str],
+        limits: dict,
+        replicas: dict[str, str],
         colocated: bool,
         namespace: str,
     ) -> dict:
-        """Connect to the named worker actors, start serving; returns the URLs."""
+        """Connect to the worker actors (``replicas``: actor name → pool), start serving;
+        returns the URLs."""
         import uvicorn
 
         from engine.checkpoint import open_tokenizer
-        from router.config import RouterConfig
+        from router.config import RouterConfig, RouterLimits
         from router.openai_api import create_app
         from router.ray_backend import RayBackend
 
         config = RouterConfig(**router_config)
-        handles = {name: ray.get_actor(name, namespace=namespace) for name in [*prefill, *decode]}
-        info = await handles[decode[0]].info.remote()
+        self.namespace = namespace
+        handles = {name: ray.get_actor(name, namespace=namespace) for name in replicas}
+        decode_pool = "colocated" if colocated else "decode"
+        any_decode = next(name for name, pool in replicas.items() if pool == decode_pool)
+        info = await handles[any_decode].info.remote()
         self.backend = RayBackend(
             model_name=model,
             tokenizer=open_tokenizer(model),
             max_model_len=info["max_model_len"],
             vocab_size=info["vocab_size"],
             block_size=info["block_size"],
-            decode={name: handles[name] for name in decode},
-            prefill={name: handles[name] for name in prefill},
             colocated=colocated,
+            limits=RouterLimits(**limits),
         )
+        for name, pool in replicas.items():
+            self.backend.add_replica(name, pool, handles[name])
         await self.backend.start()
         app = create_app(self.backend, config)
         self.http_server = uvicorn.Server(
@@ -72,8 +78,37 @@ class RouterActor:
             self.urls["grpc"] = f"{config.host}:{grpc_port}"
         return self.urls
 
+    # ---- the controller's view and levers -------------------------------------------------
+    async def add_replica(self, name: str, pool: str) -> None:
+        self.backend.add_replica(name, pool, ray.get_actor(name, namespace=self.namespace))
+
+    async def drain_replica(self, name: str) -> int:
+        """Stop routing new work to ``name``; returns its requests still in flight."""
+        self.backend.drain_replica(name)
+        replica = self.backend.replicas.by_name.get(name)
+        return 0 if replica is None else replica.in_flight
+
+    async def remove_replica(self, name: str) -> None:
+        self.backend.remove_replica(name)
+
+    async def observation(self, window_s: float, percentile: float, exclude: list[str]) -> dict:
+        """The load the planner reads: rates, lengths and latency percentiles over the window,
+        plus every replica's latest stats."""
+        summary = self.backend.load.summary(window_s, percentile, set(exclude))
+        return {
+            **summary,
+            "router_waiting": self.backend.waiting,
+            "replicas": self.backend.replica_stats(),
+        }
+
+    async def slo_attainment(self, window_s: float, ttft_ms: float, tpot_ms: float) -> float | None:
+        return self.backend.load.attainment(window_s, ttft_ms, tpot_ms)
+
     async def replica_stats(self) -> dict:
         return self.backend.replica_stats() if self.backend else {}
+
+    async def backend_stats(self) -> dict:
+        return self.backend.stats() if self.backend else {}
 
     async def stop(self) -> None:
         if self.grpc_server is not None:

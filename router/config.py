@@ -42,3 +42,23 @@ class RouterConfig:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """Admission limits: past them a request is refused at once (429 with Retry-After)
+    rather than queued without bound."""
+
+    max_waiting: int = 256  # requests waiting for decode KV capacity
+    queue_timeout_s: float = 30.0  # longest such wait before a 429
+    max_prefill_queue_tokens: int = 1_000_000  # prompt tokens queued on the prefill pool
+    max_attempts: int = 3  # prefill retries / decode migrations per request
+    idle_timeout_s: float = 120.0  # no token for this long: the attempt is abandoned and retried
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.queue_timeout_s < 0 or self.idle_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be >= 0 and idle_timeout_s > 0")
+        if self.max_prefill_queue_tokens < 1 or self.max_attempts < 1:
+            raise ValueError("max_prefill_queue_tokens and max_attempts must be >= 1")

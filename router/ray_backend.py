@@ -8,6 +8,14 @@ per decode actor that collects every request's new tokens at once, so streaming 
 Ray call per poll, not per token. Closing a request's generator early cancels it on both
 actors (their KV is freed).
 
+Failures do not reach the client while a retry can help: a failed prefill (its actor died,
+or the transfer broke) is retried with a fresh reservation; when a decode actor dies, each
+of its requests migrates — prompt plus the tokens already streamed are prefilled again and
+decoding continues elsewhere, so the client's stream has no duplicated and no missing
+tokens. Each attempt uses its own worker-side request id (``id#attempt``), so a late token
+from an abandoned attempt can never leak into the stream. After ``max_attempts`` the stream
+ends with a clear error.
+
 In colocated mode the same loop serves ``colocated-<i>`` actors, which run both phases.
 """
 
@@ -15,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -35,23 +43,14 @@ from router.backend import (
     RequestRejected,
     TokenDelta,
 )
+from router.config import RouterLimits
+from router.load_window import LoadWindow, RequestSample
+from router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.05
 STATS_INTERVAL_S = 0.5
-# A prefill replica keeps a prompt's prefix affinity unless its queue is this many tokens
-# longer than the shortest one.
-AFFINITY_SLACK_TOKENS = 4096
-
-
-@dataclass
-class Replica:
-    name: str
-    handle: Any
-    stats: dict = field(default_factory=dict)
-    alive: bool = True
-    in_flight: int = 0  # requests this router sent that have not finished
 
 
 def _logprobs(items: list[dict] | None) -> list[TokenLogprobs] | None:
@@ -65,6 +64,15 @@ def _is(err: BaseException, kind: type) -> bool:
     return isinstance(err, kind) or isinstance(getattr(err, "cause", None), kind)
 
 
+def _message(err: BaseException) -> str:
+    text = str(getattr(err, "cause", None) or err).strip()
+    return text.splitlines()[-1] if text else type(err).__name__
+
+
+class _Retry(Exception):
+    """This attempt failed in a way another attempt can fix."""
+
+
 class RayBackend(Backend):
     def __init__(
         self,
@@ -74,11 +82,8 @@ class RayBackend(Backend):
         max_model_len: int,
         vocab_size: int,
         block_size: int,
-        decode: dict[str, Any],
-        prefill: dict[str, Any] | None = None,
         colocated: bool = False,
-        max_waiting: int = 1024,
-        queue_timeout_s: float = 60.0,
+        limits: RouterLimits | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -86,83 +91,200 @@ class RayBackend(Backend):
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.colocated = colocated
-        self.decode = {name: Replica(name, handle) for name, handle in decode.items()}
-        self.prefill = {name: Replica(name, handle) for name, handle in (prefill or {}).items()}
-        self._queues: dict[str, asyncio.Queue[dict]] = {}
-        self._owner: dict[str, str] = {}  # request id → decode replica
-        self._tasks: list[asyncio.Task] = []
+        self.decode_pool = "colocated" if colocated else "decode"
+        self.limits = limits or RouterLimits()
+        self.replicas = ReplicaSet()
+        self.load = LoadWindow()
+        self._queues: dict[str, asyncio.Queue[dict]] = {}  # worker request id → its deltas
+        self._owner: dict[str, str] = {}  # worker request id → decode replica name
+        self._pollers: dict[str, asyncio.Task] = {}
+        self._stats_task: asyncio.Task | None = None
         self.transfer_bytes_total = 0
         self.transfer_seconds_total = 0.0
-        # Requests wait here (bounded in number and time) while every decode replica is full.
-        self.max_waiting = max_waiting
-        self.queue_timeout_s = queue_timeout_s
+        self.retries_total = 0
+        self.migrations_total = 0
         self.waiting = 0
         self._capacity_freed = asyncio.Event()
 
-    # ---- lifecycle ----------------------------------------------------------------------
+    # ---- replicas (the controller adds, drains and removes them) ------------------------
+    def add_replica(self, name: str, pool: str, handle: Any) -> None:
+        self.replicas.add(name, pool, handle)
+        if pool == self.decode_pool:
+            old = self._pollers.pop(name, None)
+            if old is not None:
+                old.cancel()
+            self._pollers[name] = asyncio.create_task(self._poll_loop(name))
+
+    def drain_replica(self, name: str) -> None:
+        replica = self.replicas.by_name.get(name)
+        if replica is not None:
+            replica.draining = True
+
+    def remove_replica(self, name: str) -> None:
+        """Forget an actor (drained, or dead); requests still on it are retried elsewhere."""
+        replica = self.replicas.remove(name)
+        task = self._pollers.pop(name, None)
+        if task is not None:
+            task.cancel()
+        if replica is not None:
+            self._retry_requests_of(name, f"{name} was removed")
+
     async def start(self) -> None:
         await self._refresh_stats()
-        for replica in self.decode.values():
-            self._tasks.append(asyncio.create_task(self._poll_loop(replica)))
-        self._tasks.append(asyncio.create_task(self._stats_loop()))
+        self._stats_task = asyncio.create_task(self._stats_loop())
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._pollers.values(), *([self._stats_task] if self._stats_task else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
     # ---- Backend ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        rid = request.request_id
+        self.load.arrived(request.arrival_time)
+        streamed: list[int] = []  # tokens the client has received
+        served_by: set[str] = set()
+        first_token_at: float | None = None
+        finish_reason: str | None = None
+        attempt = 0
+        last_error = ""
+        try:
+            while True:
+                if attempt >= self.limits.max_attempts:
+                    finish_reason = "error"
+                    yield TokenDelta(
+                        [],
+                        finish_reason="error",
+                        error=f"request failed after {attempt} attempts: {last_error}",
+                    )
+                    return
+                sub = self._attempt_request(request, streamed)
+                worker_rid = f"{request.request_id}#{attempt}"
+                attempt += 1
+                deltas = self._run_attempt(sub, worker_rid, served_by)
+                try:
+                    async for delta in deltas:
+                        if delta.token_ids and first_token_at is None:
+                            first_token_at = time.monotonic()
+                        streamed.extend(delta.token_ids)
+                        finish_reason = delta.finish_reason
+                        yield delta
+                        if finish_reason is not None:
+                            return
+                except _Retry as retry:
+                    last_error = str(retry)
+                    if streamed:
+                        self.migrations_total += 1
+                    else:
+                        self.retries_total += 1
+                    logger.warning(
+                        "request %s: attempt %d failed (%s); retrying",
+                        request.request_id,
+                        attempt,
+                        retry,
+                    )
+                    continue
+                except (Overloaded, NoReplica, RequestRejected):
+                    if not streamed and attempt == 1:
+                        raise  # before the first token: the API answers 429 / 503 / 400
+                    finish_reason = "error"
+                    yield TokenDelta(
+                        [], finish_reason="error", error=f"no replica to continue on: {last_error}"
+                    )
+                    return
+                finally:
+                    # Its cleanup (cancel on the workers, free the queue) runs now, not at GC.
+                    await deltas.aclose()
+        finally:
+            now = time.monotonic()
+            tpot = None
+            if first_token_at is not None and len(streamed) > 1:
+                tpot = (now - first_token_at) / (len(streamed) - 1)
+            self.load.finished(
+                RequestSample(
+                    arrival=request.arrival_time,
+                    input_len=len(request.prompt_token_ids),
+                    output_len=len(streamed),
+                    ttft_s=None
+                    if first_token_at is None
+                    else first_token_at - request.arrival_time,
+                    tpot_s=tpot,
+                    ok=finish_reason in ("stop", "length"),
+                    replicas=tuple(served_by),
+                )
+            )
+
+    def _attempt_request(self, request: GenerateRequest, streamed: list[int]) -> GenerateRequest:
+        """The request for the next attempt: after a migration, the tokens already streamed
+        become part of the prompt and the budget shrinks by as many."""
+        if not streamed:
+            return request
+        params = dataclasses.replace(
+            request.params,
+            max_tokens=request.params.max_tokens - len(streamed),
+            min_tokens=max(0, request.params.min_tokens - len(streamed)),
+        )
+        return dataclasses.replace(
+            request, prompt_token_ids=[*request.prompt_token_ids, *streamed], params=params
+        )
+
+    async def _run_attempt(
+        self, request: GenerateRequest, worker_rid: str, served_by: set[str]
+    ) -> AsyncIterator[TokenDelta]:
         queue: asyncio.Queue[dict] = asyncio.Queue()
-        self._queues[rid] = queue
+        self._queues[worker_rid] = queue
         decode: Replica | None = None
         prefill_task: asyncio.Task | None = None
         finished = False
         try:
-            decode, reservation = await self._reserve(request)
+            decode, reservation = await self._reserve(request, worker_rid)
+            served_by.add(decode.name)
             if not self.colocated:
-                prefill_task = asyncio.create_task(self._prefill(request, decode, reservation))
-            first = True
+                prefill_task = asyncio.create_task(
+                    self._prefill(request, worker_rid, decode, reservation, served_by)
+                )
+            first_delta = True
             while True:
-                delta = await queue.get()
-                if first and request.params.logprobs is not None and prefill_task is not None:
+                try:
+                    delta = await asyncio.wait_for(queue.get(), timeout=self.limits.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise _Retry(
+                        f"no token from {decode.name} for {self.limits.idle_timeout_s:.0f}s"
+                    ) from None
+                if "retry" in delta:
+                    raise _Retry(delta["retry"])
+                if first_delta and request.params.logprobs is not None and prefill_task is not None:
                     # The first token was sampled on the prefill actor, which has its logprobs.
                     result = await prefill_task
-                    if (
-                        result is not None
-                        and result.get("logprob") is not None
-                        and delta["token_ids"]
-                    ):
+                    if result and result.get("logprob") is not None and delta["token_ids"]:
                         delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
-                first = False
+                first_delta = False
                 out = TokenDelta(
                     token_ids=delta["token_ids"],
                     logprobs=_logprobs(delta["logprobs"]),
                     finish_reason=delta["finish_reason"],
                     error=delta["error"],
                 )
-                if out.finish_reason is not None:
-                    finished = True
+                finished = out.finish_reason is not None
                 yield out
                 if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
-            self._owner.pop(rid, None)
+            self._queues.pop(worker_rid, None)
+            self._owner.pop(worker_rid, None)
             if decode is not None:
                 decode.in_flight -= 1
                 self._capacity_freed.set()
-                if not finished:
-                    decode.handle.cancel.remote(rid)
+                if not finished and decode.alive:
+                    decode.handle.cancel.remote(worker_rid)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
 
     async def health(self) -> dict[str, Any]:
-        decode_ready = sum(r.alive for r in self.decode.values())
-        prefill_ready = sum(r.alive for r in self.prefill.values())
+        decode_ready = sum(r.routable for r in self.replicas.pool(self.decode_pool))
+        prefill_ready = sum(r.routable for r in self.replicas.pool("prefill"))
         ok = decode_ready > 0 and (self.colocated or prefill_ready > 0)
         return {
             "status": "ok" if ok else "degraded",
@@ -172,7 +294,7 @@ class RayBackend(Backend):
         }
 
     def stats(self) -> dict[str, Any]:
-        replicas = [*self.prefill.values(), *self.decode.values()]
+        replicas = list(self.replicas.by_name.values())
         return {
             "queue_tokens": {r.name: r.stats.get("queued_tokens", 0) for r in replicas},
             "running": {r.name: r.stats.get("running", 0) for r in replicas},
@@ -180,166 +302,154 @@ class RayBackend(Backend):
             "transfer_bytes_total": self.transfer_bytes_total,
             "transfer_seconds_total": self.transfer_seconds_total,
             "router_waiting": self.waiting,
+            "retries_total": self.retries_total,
+            "migrations_total": self.migrations_total,
         }
 
     def replica_stats(self) -> dict[str, dict]:
-        return {
-            r.name: {**r.stats, "alive": r.alive}
-            for r in [*self.prefill.values(), *self.decode.values()]
-        }
+        return self.replicas.summary()
 
-    # ---- routing --------------------------------------------------------------------------
-    def _decode_candidates(self) -> list[Replica]:
-        alive = [r for r in self.decode.values() if r.alive]
-
-        def load(r: Replica) -> tuple:
-            free = r.stats.get("free_blocks", 0) - r.in_flight  # in-flight ones will take blocks
-            return (-free, r.stats.get("running", 0) + r.in_flight)
-
-        return sorted(alive, key=load)
-
-    def _prefill_choice(self, prompt: list[int]) -> Replica:
-        alive = sorted((r for r in self.prefill.values() if r.alive), key=lambda r: r.name)
-        if not alive:
-            raise NoReplica("no prefill replica is ready")
-        queued = {
-            r.name: r.stats.get("queued_tokens", 0) + r.in_flight * len(prompt) for r in alive
-        }
-        # Prefix affinity: the same first block goes to the same replica, where it is cached.
-        preferred = alive[hash(tuple(prompt[: self.block_size])) % len(alive)]
-        least = min(alive, key=lambda r: queued[r.name])
-        if queued[preferred.name] - queued[least.name] <= AFFINITY_SLACK_TOKENS:
-            return preferred
-        return least
-
-    async def _reserve(self, request: GenerateRequest) -> tuple[Replica, dict]:
-        candidates = self._decode_candidates()
-        if not candidates:
-            raise NoReplica("no decode replica is ready")
-        if not self.colocated and not any(r.alive for r in self.prefill.values()):
-            raise NoReplica("no prefill replica is ready")
-        deadline = time.monotonic() + self.queue_timeout_s
-        if self.waiting >= self.max_waiting:
+    # ---- admission and dispatch -----------------------------------------------------------
+    async def _reserve(self, request: GenerateRequest, worker_rid: str) -> tuple[Replica, dict]:
+        limits = self.limits
+        if not self.replicas.decode_candidates(self.decode_pool, set()):
+            raise NoReplica(f"no {self.decode_pool} replica is ready")
+        if not self.colocated:
+            if (
+                self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
+                is None
+            ):
+                raise NoReplica("no prefill replica is ready")
+            queued = sum(r.stats.get("queued_tokens", 0) for r in self.replicas.pool("prefill"))
+            if queued + len(request.prompt_token_ids) > limits.max_prefill_queue_tokens:
+                raise Overloaded(
+                    f"{queued} prompt tokens are already queued for prefill", retry_after_s=1.0
+                )
+        if self.waiting >= limits.max_waiting:
             raise Overloaded(
                 f"{self.waiting} requests are already waiting for KV capacity", retry_after_s=1.0
             )
+        deadline = time.monotonic() + limits.queue_timeout_s
         self.waiting += 1
         try:
             while True:
-                reserved = await self._try_reserve(request, candidates)
+                reserved = await self._try_reserve(request, worker_rid)
                 if reserved is not None:
                     return reserved
                 if time.monotonic() > deadline:
                     raise Overloaded(
-                        f"no decode replica had KV capacity within {self.queue_timeout_s:.0f}s",
+                        f"no {self.decode_pool} replica had KV capacity within {limits.queue_timeout_s:.0f}s",
                         retry_after_s=1.0,
                     )
                 # Wait for a request to finish somewhere (or re-check shortly).
                 self._capacity_freed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._capacity_freed.wait(), timeout=0.05)
-                candidates = self._decode_candidates() or candidates
         finally:
             self.waiting -= 1
 
     async def _try_reserve(
-        self, request: GenerateRequest, candidates: list[Replica]
+        self, request: GenerateRequest, worker_rid: str
     ) -> tuple[Replica, dict] | None:
         """Reserve on the first replica with capacity; None if all are full right now."""
-        rid = request.request_id
+        candidates = self.replicas.decode_candidates(self.decode_pool, set())
+        if not candidates:
+            raise NoReplica(f"no {self.decode_pool} replica is ready")
         for replica in candidates:
             try:
                 if self.colocated:
                     await replica.handle.submit.remote(
-                        rid, request.prompt_token_ids, request.params
+                        worker_rid, request.prompt_token_ids, request.params
                     )
                     reservation: dict = {}
                 else:
                     reservation = await replica.handle.reserve.remote(
-                        rid, request.prompt_token_ids, request.params
+                        worker_rid, request.prompt_token_ids, request.params
                     )
             except Exception as err:  # noqa: BLE001 - sorted by kind below
                 if _is(err, NoCapacityError):
                     continue
                 if _is(err, InvalidRequestError):
-                    raise RequestRejected(str(getattr(err, "cause", err))) from None
+                    raise RequestRejected(_message(err)) from None
                 if isinstance(err, ray.exceptions.RayActorError):
                     replica.alive = False
                     continue
                 raise
             replica.in_flight += 1
-            self._owner[rid] = replica.name
+            self._owner[worker_rid] = replica.name
             return replica, reservation
         return None
 
     async def _prefill(
-        self, request: GenerateRequest, decode: Replica, reservation: dict
+        self,
+        request: GenerateRequest,
+        worker_rid: str,
+        decode: Replica,
+        reservation: dict,
+        served_by: set[str],
     ) -> dict | None:
-        """Run the prefill; on failure end the request with an error (and free its lease)."""
-        rid = request.request_id
-        replica = self._prefill_choice(request.prompt_token_ids)
+        """Run the prefill. On failure, the attempt is retried (a fresh reservation, another
+        prefill replica if this one died)."""
+        replica = self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
+        if replica is None:
+            self._signal(worker_rid, {"retry": "no prefill replica is ready"})
+            return None
+        served_by.add(replica.name)
         replica.in_flight += 1
         try:
             result = await replica.handle.prefill.remote(
-                rid,
+                worker_rid,
                 request.prompt_token_ids,
                 request.params,
                 reservation["kv_address"],
                 reservation["lease_id"],
             )
         except asyncio.CancelledError:
-            replica.handle.cancel.remote(rid)
+            replica.handle.cancel.remote(worker_rid)
             raise
-        except Exception as err:  # noqa: BLE001 - any failure ends this request cleanly
+        except Exception as err:  # noqa: BLE001 - any failure ends this attempt cleanly
             if isinstance(err, ray.exceptions.RayActorError):
                 replica.alive = False
-            decode.handle.cancel.remote(rid)
-            queue = self._queues.get(rid)
-            if queue is not None:
-                message = str(getattr(err, "cause", None) or err).splitlines()[-1]
-                queue.put_nowait(
-                    {
-                        "token_ids": [],
-                        "logprobs": None,
-                        "finish_reason": "error",
-                        "error": f"prefill failed: {message}",
-                    }
-                )
+            self._signal(
+                worker_rid, {"retry": f"prefill on {replica.name} failed: {_message(err)}"}
+            )
             return None
         finally:
             replica.in_flight -= 1
         transfer = result.get("transfer") or {}
-        self.transfer_bytes_total += int(transfer.get("bytes_sent", 0) or 0)
+        self.transfer_bytes_total += int(transfer.get("payload_bytes", 0) or 0)
         self.transfer_seconds_total += float(transfer.get("seconds", 0.0) or 0.0)
         return result
 
+    def _signal(self, worker_rid: str, delta: dict) -> None:
+        queue = self._queues.get(worker_rid)
+        if queue is not None:
+            queue.put_nowait(delta)
+
     # ---- background loops -------------------------------------------------------------------
-    async def _poll_loop(self, replica: Replica) -> None:
+    async def _poll_loop(self, name: str) -> None:
         while True:
+            replica = self.replicas.by_name.get(name)
+            if replica is None:
+                return
             try:
                 batches = await replica.handle.poll.remote(POLL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - the actor died or is unreachable
-                logger.warning("polling %s failed: %s", replica.name, err)
+                logger.warning("polling %s failed: %s", name, _message(err))
                 replica.alive = False
-                self._fail_requests_of(
-                    replica, f"{replica.name} is unavailable: {type(err).__name__}"
-                )
+                self._retry_requests_of(name, f"{name} is unavailable ({type(err).__name__})")
                 await asyncio.sleep(1.0)
                 continue
             replica.alive = True
-            for rid, delta in batches.items():
-                queue = self._queues.get(rid)
-                if queue is not None:
-                    queue.put_nowait(delta)
+            for worker_rid, delta in batches.items():
+                self._signal(worker_rid, delta)
 
-    def _fail_requests_of(self, replica: Replica, message: str) -> None:
-        for rid, owner in list(self._owner.items()):
-            if owner == replica.name and rid in self._queues:
-                self._queues[rid].put_nowait(
-                    {"token_ids": [], "logprobs": None, "finish_reason": "error", "error": message}
-                )
+    def _retry_requests_of(self, name: str, reason: str) -> None:
+        for worker_rid, owner in list(self._owner.items()):
+            if owner == name:
+                self._signal(worker_rid, {"retry": reason})
 
     async def _stats_loop(self) -> None:
         while True:
@@ -347,7 +457,7 @@ class RayBackend(Backend):
             await self._refresh_stats()
 
     async def _refresh_stats(self) -> None:
-        replicas = [*self.prefill.values(), *self.decode.values()]
+        replicas = list(self.replicas.by_name.values())
         results = await asyncio.gather(
             *(r.handle.stats.remote() for r in replicas), return_exceptions=True
         )

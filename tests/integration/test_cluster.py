@@ -27,7 +27,7 @@ def wait_idle(cluster, timeout_s: float = 20.0) -> dict:
     """Every actor's stats once all KV blocks are free again (or the last stats on timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {name: ray.get(h.stats.remote()) for name, h in cluster.workers.items()}
+        stats = {name: ray.get(h.stats.remote()) for name, h in cluster.workers().items()}
         decode_free = all(
             s["free_blocks"] == s["num_blocks"] and s.get("leases", 0) == 0
             for n, s in stats.items()

@@ -29,7 +29,7 @@ def complete(url: str, prompt, max_tokens: int = 12) -> dict:
 def test_colocated_mode_serves_the_same_tokens(ray_session):
     running = start({"mode": "colocated", "engine": ENGINE})
     try:
-        assert set(running.workers) == {"colocated-0"}
+        assert set(running.workers()) == {"colocated-0"}
         assert ray.get_actor("router", namespace="pdcluster") is not None
         llm = LLM("tiny", progress=False, **ENGINE)
         prompt = (
@@ -49,7 +49,7 @@ def test_colocated_mode_serves_the_same_tokens(ray_session):
 def test_repeated_system_prompt_is_not_recomputed_on_prefill(ray_session):
     running = start({"engine": ENGINE})
     try:
-        prefill = running.workers["prefill-0"]
+        prefill = running.workers()["prefill-0"]
         system = "You are a helpful assistant. Answer briefly and precisely. " * 2  # > 100 tokens
         complete(running.urls["http"], system + "Question one?")
         before = ray.get(prefill.stats.remote())

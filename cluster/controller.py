@@ -1,0 +1,354 @@
+"""The controller (Ray actor ``controller``): owns the worker actors and keeps the pools at
+the size the planner wants.
+
+- Start-up: starts every pool's initial replicas, waits until each has loaded its model,
+  starts the router (actor ``router``) with them.
+- Every second: replicas that died are removed from the router's rotation and replaced by
+  a new actor of the same name (their requests are retried or migrated by the router).
+- Every ``planner.interval_s`` (when the planner is enabled): reads the load from the router,
+  asks the planner for each pool's size and applies it. A new replica joins the rotation once
+  its model is loaded; scale-in drains a replica (no new work, in-flight requests finish) and
+  only then stops it, so scaling never loses or cuts a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.config import ClusterConfig
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
+from router.actor import RouterActor
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+# Prefill calls block a thread each while their prompt waits in the engine's queue.
+CONCURRENCY = {"prefill": 512, "decode": 64, "colocated": 64}
+RECONCILE_INTERVAL_S = 1.0
+DRAIN_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ReplicaRecord:
+    name: str
+    pool: str
+    handle: Any
+    state: str = "starting"  # starting | ready | draining | stopped
+    ready_at: float | None = None
+
+    def age_s(self, now: float) -> float:
+        return 0.0 if self.ready_at is None else now - self.ready_at
+
+
+@dataclass
+class ControllerEvent:
+    time: float
+    kind: str  # scale | replace | drain | stop | error
+    message: str
+
+
+class Controller:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.replicas: dict[str, ReplicaRecord] = {}
+        self.router = None
+        self.urls: dict[str, str] = {}
+        self.events: deque[ControllerEvent] = deque(maxlen=200)
+        self.planner = None
+        self.capacity: dict | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._busy = asyncio.Lock()  # one scaling/replacement action at a time
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> dict:
+        config = self.config
+        pools = ["colocated"] if config.mode == "colocated" else ["decode", "prefill"]
+        records = [
+            self._create(pool, index)
+            for pool in pools
+            for index in range(getattr(config, pool).initial)
+        ]
+        await asyncio.gather(*(self._wait_ready(r) for r in records))
+        self.router = (
+            ray.remote(RouterActor)
+            .options(name="router", namespace=config.namespace, num_cpus=0, max_concurrency=1000)
+            .remote()
+        )
+        self.urls = await self.router.start.remote(
+            model=config.model,
+            router_config=dataclasses.asdict(config.router),
+            limits=dataclasses.asdict(config.limits),
+            replicas={r.name: r.pool for r in records},
+            colocated=config.mode == "colocated",
+            namespace=config.namespace,
+        )
+        if config.planner.enabled:
+            await self._start_planner()
+        self._loop_task = asyncio.create_task(self._control_loop())
+        return self.urls
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        if self.router is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.router.stop.remote(), timeout=10)
+            ray.kill(self.router)
+            self.router = None
+        for record in list(self.replicas.values()):
+            await self._stop_actor(record)
+        self.replicas.clear()
+
+    # ---- replicas -------------------------------------------------------------------------
+    def _create(self, pool: str, index: int) -> ReplicaRecord:
+        config = self.config
+        pool_config = getattr(config, pool)
+        name = f"{pool}-{index}"
+        handle = (
+            ray.remote(WORKER_CLASSES[pool])
+            .options(
+                name=name,
+                namespace=config.namespace,
+                num_cpus=pool_config.num_cpus,
+                num_gpus=pool_config.num_gpus,
+                max_concurrency=CONCURRENCY[pool],
+            )
+            .remote(config.worker_options(pool), name)
+        )
+        record = ReplicaRecord(name, pool, handle)
+        self.replicas[name] = record
+        return record
+
+    async def _wait_ready(self, record: ReplicaRecord) -> None:
+        await record.handle.info.remote()  # returns once the model is loaded
+        record.state = "ready"
+        record.ready_at = time.monotonic()
+
+    def _next_index(self, pool: str) -> int:
+        used = {int(name.rsplit("-", 1)[1]) for name, r in self.replicas.items() if r.pool == pool}
+        index = 0
+        while index in used:
+            index += 1
+        return index
+
+    async def add_replica(self, pool: str) -> str:
+        record = self._create(pool, self._next_index(pool))
+        try:
+            await self._wait_ready(record)
+        except Exception:
+            self.replicas.pop(record.name, None)
+            raise
+        await self.router.add_replica.remote(record.name, pool)
+        return record.name
+
+    async def drain_and_stop(self, name: str) -> None:
+        """Take ``name`` out of rotation, wait for its requests to finish, stop it."""
+        record = self.replicas[name]
+        record.state = "draining"
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            in_flight = await self.router.drain_replica.remote(name)
+            stats = await record.handle.stats.remote()
+            busy = (
+                stats.get("running", 0)
+                + stats.get("waiting", 0)
+                + stats.get("pending_transfers", 0)
+            )
+            if in_flight == 0 and busy == 0:
+                break
+            await asyncio.sleep(0.2)
+        await self.router.remove_replica.remote(name)
+        await self._stop_actor(record)
+        self.replicas.pop(name, None)
+
+    async def _stop_actor(self, record: ReplicaRecord) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(record.handle.shutdown.remote(), timeout=10)
+        with contextlib.suppress(Exception):
+            ray.kill(record.handle)
+        record.state = "stopped"
+
+    # ---- the control loop ------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        last_plan = time.monotonic()
+        while True:
+            await asyncio.sleep(RECONCILE_INTERVAL_S)
+            try:
+                async with self._busy:
+                    await self._replace_dead()
+                if (
+                    self.planner is not None
+                    and time.monotonic() - last_plan >= self.config.planner.interval_s
+                ):
+                    last_plan = time.monotonic()
+                    async with self._busy:
+                        await self._plan_and_apply()
+            except Exception as err:  # noqa: BLE001 - the controller must keep running
+                logger.exception("control loop")
+                self.events.append(ControllerEvent(time.time(), "error", str(err)))
+
+    async def _replace_dead(self) -> None:
+        for record in list(self.replicas.values()):
+            if record.state != "ready":
+                continue
+            try:
+                await asyncio.wait_for(record.handle.info.remote(), timeout=10)
+                continue
+            except Exception as err:  # noqa: BLE001 - dead, or hung for 10 s
+                reason = type(err).__name__
+            logger.warning("%s is gone (%s): replacing it", record.name, reason)
+            await self.router.remove_replica.remote(record.name)
+            with contextlib.suppress(Exception):
+                ray.kill(record.handle)
+            self.replicas.pop(record.name, None)
+            replacement = self._create(record.pool, int(record.name.rsplit("-", 1)[1]))
+            try:
+                await self._wait_ready(replacement)
+            except Exception as err:  # noqa: BLE001 - try again next round
+                self.replicas.pop(replacement.name, None)
+                self.events.append(
+                    ControllerEvent(time.time(), "error", f"replacing {record.name}: {err}")
+                )
+                continue
+            await self.router.add_replica.remote(replacement.name, replacement.pool)
+            self.events.append(
+                ControllerEvent(time.time(), "replace", f"{record.name} died ({reason}); replaced")
+            )
+
+    async def _start_planner(self) -> None:
+        from cluster.planner import Planner, PoolCapacity
+
+        config = self.config
+        prefill_pool = "colocated" if config.mode == "colocated" else "prefill"
+        decode_pool = "colocated" if config.mode == "colocated" else "decode"
+        prefill = next(r for r in self.replicas.values() if r.pool == prefill_pool)
+        decode = next(r for r in self.replicas.values() if r.pool == decode_pool)
+        prefill_cap = await prefill.handle.calibrate.remote()
+        decode_cap = prefill_cap if decode is prefill else await decode.handle.calibrate.remote()
+        if "max_num_seqs" not in decode_cap:
+            decode_cap = {**decode_cap, **(await decode.handle.calibrate.remote())}
+        self.capacity = {"prefill": prefill_cap, "decode": decode_cap}
+        capacity = PoolCapacity(
+            prefill_tokens_per_s=prefill_cap["prefill_tokens_per_s"],
+            decode_step_s_base=decode_cap["decode_step_s_base"],
+            decode_step_s_per_seq=decode_cap["decode_step_s_per_seq"],
+            decode_max_seqs=int(decode_cap["max_num_seqs"]),
+        )
+        pools = (
+            {"colocated": config.colocated}
+            if config.mode == "colocated"
+            else {"prefill": config.prefill, "decode": config.decode}
+        )
+        self.planner = Planner(
+            config.slo, config.planner, pools, capacity, colocated=config.mode == "colocated"
+        )
+
+    async def _plan_and_apply(self) -> None:
+        from cluster.planner import Observation, ReplicaState
+
+        config = self.config
+        now = time.monotonic()
+        warming = [r.name for r in self.replicas.values() if r.age_s(now) < config.planner.warmup_s]
+        window = max(config.planner.interval_s * 3, 10.0)
+        raw = await self.router.observation.remote(window, config.slo.percentile, warming)
+        stats = raw["replicas"]
+        prefill_names = [n for n, s in stats.items() if s.get("pool") in ("prefill", "colocated")]
+        decode_names = [n for n, s in stats.items() if s.get("pool") in ("decode", "colocated")]
+        observation = Observation(
+            time_s=now,
+            window_s=window,
+            arrival_rate=raw["arrival_rate"],
+            mean_input_len=raw["mean_input_len"],
+            mean_output_len=raw["mean_output_len"],
+            ttft_ms=raw["ttft_ms"],
+            tpot_ms=raw["tpot_ms"],
+            prefill_queue_tokens=int(sum(stats[n].get("queued_tokens", 0) for n in prefill_names)),
+            prefill_queue_time_s=float(
+                max((stats[n].get("oldest_wait_s", 0.0) for n in prefill_names), default=0.0)
+            ),
+            decode_waiting=int(raw["router_waiting"]),
+            decode_running=int(sum(stats[n].get("running", 0) for n in decode_names)),
+            replicas=tuple(
+                ReplicaState(
+                    name=r.name, pool=r.pool, age_s=r.age_s(now), draining=r.state == "draining"
+                )
+                for r in self.replicas.values()
+                if r.state in ("ready", "draining")
+            ),
+        )
+        for decision in self.planner.decide(observation):
+            await self._apply(decision)
+
+    async def _apply(self, decision) -> None:
+        current = [
+            r for r in self.replicas.values() if r.pool == decision.pool and r.state == "ready"
+        ]
+        if decision.target > len(current):
+            for _ in range(decision.target - len(current)):
+                name = await self.add_replica(decision.pool)
+                self.events.append(
+                    ControllerEvent(time.time(), "scale", f"+{name}: {decision.reason}")
+                )
+        elif decision.target < len(current):
+            # Drain the youngest: it holds the least cached prefixes.
+            victims = sorted(current, key=lambda r: r.ready_at or 0, reverse=True)[
+                : len(current) - decision.target
+            ]
+            for record in victims:
+                self.events.append(
+                    ControllerEvent(time.time(), "scale", f"-{record.name}: {decision.reason}")
+                )
+                await self.drain_and_stop(record.name)
+
+    # ---- status ----------------------------------------------------------------------------
+    async def status(self) -> dict:
+        now = time.monotonic()
+        stats = await self.router.replica_stats.remote() if self.router is not None else {}
+        attainment = None
+        if self.router is not None:
+            slo = self.config.slo
+            attainment = await self.router.slo_attainment.remote(60.0, slo.ttft_ms, slo.tpot_ms)
+        pools: dict[str, list[dict]] = {}
+        for record in sorted(self.replicas.values(), key=lambda r: r.name):
+            s = stats.get(record.name, {})
+            pools.setdefault(record.pool, []).append(
+                {
+                    "name": record.name,
+                    "state": record.state
+                    if record.age_s(now) >= self.config.planner.warmup_s or record.state != "ready"
+                    else "warming",
+                    "age_s": round(record.age_s(now), 1),
+                    "running": s.get("running", 0),
+                    "queued_tokens": s.get("queued_tokens", 0),
+                    "kv_usage": round(float(s.get("kv_usage", 0.0)), 3),
+                    "alive": s.get("alive", record.state == "ready"),
+                }
+            )
+        decisions = []
+        if self.planner is not None:
+            decisions = [dataclasses.asdict(d) for d in list(self.planner.history)[-10:]]
+        return {
+            "mode": self.config.mode,
+            "model": self.config.model,
+            "urls": self.urls,
+            "pools": pools,
+            "slo": dataclasses.asdict(self.config.slo),
+            "slo_attainment_60s": attainment,
+            "planner_enabled": self.planner is not None,
+            "capacity": self.capacity,
+            "decisions": decisions,
+            "events": [dataclasses.asdict(e) for e in list(self.events)[-20:]],
+        }
