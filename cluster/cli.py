@@ -82,6 +82,9 @@ def _add_bench(sub) -> None:
     from benchmarks.serve_bench import add_serve_bench_parser
 
     add_serve_bench_parser(benches)
+    from benchmarks.chaos_bench import add_chaos_parser
+
+    add_chaos_parser(benches)
     try:
         from benchmarks.transfer_bench import add_transfer_parser
     except ImportError:  # pragma: no cover - arrives with the KV transfer benchmark

@@ -162,6 +162,8 @@ class RayBackend(Backend):
                     return
                 sub = self._attempt_request(request, streamed)
                 worker_rid = f"{request.request_id}#{attempt}"
+                if attempt > 0:
+                    await self._await_replicas(self.limits.queue_timeout_s)
                 attempt += 1
                 deltas = self._run_attempt(sub, worker_rid, served_by)
                 try:
@@ -215,6 +217,17 @@ class RayBackend(Backend):
                     replicas=tuple(served_by),
                 )
             )
+
+    async def _await_replicas(self, timeout_s: float) -> None:
+        """Before a retry: wait (bounded) until both pools have a routable replica again,
+        e.g. while the controller replaces the one that died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            decode_ok = bool(self.replicas.decode_candidates(self.decode_pool, set()))
+            prefill_ok = self.colocated or any(r.routable for r in self.replicas.pool("prefill"))
+            if decode_ok and prefill_ok:
+                return
+            await asyncio.sleep(0.1)
 
     def _attempt_request(self, request: GenerateRequest, streamed: list[int]) -> GenerateRequest:
         """The request for the next attempt: after a migration, the tokens already streamed
