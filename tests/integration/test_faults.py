@@ -39,6 +39,24 @@ def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.05):
     raise AssertionError("condition not reached in time")
 
 
+def wait_pools_ready(running, prefill: int = 2, decode: int = 2) -> None:
+    """Until the controller has replaced every killed replica and all are serving."""
+
+    def ready() -> bool:
+        pools = ray.get(running.controller.status.remote())["pools"]
+        if not all(len(pools.get(pool, [])) == count for pool, count in (("prefill", prefill), ("decode", decode))):
+            return False
+        try:  # every listed actor answers (a killed one may not be noticed yet)
+            for pool in ("prefill", "decode"):
+                for replica in pools[pool]:
+                    ray.get(ray.get_actor(replica["name"], namespace="pdcluster").info.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - not yet
+            return False
+        return True
+
+    wait_for(ready, timeout_s=90, interval_s=0.2)
+
+
 def kill(running, name: str) -> None:
     ray.kill(ray.get_actor(name, namespace="pdcluster"), no_restart=True)
 
@@ -61,6 +79,7 @@ def cluster(ray_session):
 
 
 def test_prefill_actor_killed_during_prefill(cluster):
+    wait_pools_ready(cluster)
     prompt = (
         "a long prompt that takes many prefill chunks " * 25
     )  # ~1,100 tokens in 32-token chunks
@@ -105,6 +124,7 @@ def test_prefill_actor_killed_during_prefill(cluster):
 
 
 def test_decode_actor_killed_mid_stream_migrates_without_gaps(cluster):
+    wait_pools_ready(cluster)
     prompt = "migrate this stream"
     expected = greedy(prompt, 300)
 
@@ -146,6 +166,7 @@ def test_decode_actor_killed_mid_stream_migrates_without_gaps(cluster):
 
 
 def test_stalled_transfer_returns_its_blocks(cluster):
+    wait_pools_ready(cluster)
     decode = ray.get_actor("decode-0", namespace="pdcluster")
     before = ray.get(decode.stats.remote())
     # A reservation whose prefill never comes (as if the prefill actor stalled).
