@@ -180,6 +180,11 @@ def _run_serve(args) -> int:
         f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True
     )
     running = start_cluster(config, address=args.address)  # Ctrl-C here stops what started
+    import ray
+
+    from cluster.status import clear_state, write_state
+
+    write_state(ray.get_runtime_context().gcs_address, running.urls, config.namespace)
     # Installed after ray.init, which sets its own SIGTERM handler.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -195,6 +200,7 @@ def _run_serve(args) -> int:
             pass
         print("shutting down...", file=sys.stderr, flush=True)
     finally:
+        clear_state()
         stop_cluster(running)
     return 0
 
@@ -202,10 +208,16 @@ def _run_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    from cluster.status import add_status_parser
     from router.client import add_submit_parser
 
     _add_serve(sub)
     add_submit_parser(sub)
+    add_status_parser(sub)
+    from cluster.simulator.cli import add_plan_parser, add_simulate_parser
+
+    add_plan_parser(sub)
+    add_simulate_parser(sub)
     _add_generate(sub)
     _add_bench(sub)
     return parser

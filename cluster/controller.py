@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.config import ClusterConfig
 from decode_worker.colocated import ColocatedWorker
@@ -230,6 +231,7 @@ class Controller:
 
     async def _start_planner(self) -> None:
         from cluster.planner import Planner, PoolCapacity
+        from cluster.planner_metrics import PlannerMetrics
 
         config = self.config
         prefill_pool = "colocated" if config.mode == "colocated" else "prefill"
@@ -255,6 +257,8 @@ class Controller:
         self.planner = Planner(
             config.slo, config.planner, pools, capacity, colocated=config.mode == "colocated"
         )
+        self.planner_registry = CollectorRegistry()
+        self.planner_metrics = PlannerMetrics(self.planner_registry)
 
     async def _plan_and_apply(self) -> None:
         from cluster.planner import Observation, ReplicaState
@@ -289,7 +293,10 @@ class Controller:
                 if r.state in ("ready", "draining")
             ),
         )
-        for decision in self.planner.decide(observation):
+        decisions = self.planner.decide(observation)
+        self.planner_metrics.record(decisions, self.planner)
+        await self.router.set_extra_metrics.remote(generate_latest(self.planner_registry))
+        for decision in decisions:
             await self._apply(decision)
 
     async def _apply(self, decision) -> None:

@@ -104,6 +104,12 @@ class RouterActor:
     async def slo_attainment(self, window_s: float, ttft_ms: float, tpot_ms: float) -> float | None:
         return self.backend.load.attainment(window_s, ttft_ms, tpot_ms)
 
+    async def set_extra_metrics(self, exposition: bytes) -> None:
+        """Series published by the controller (the planner's), appended to /metrics."""
+        from router.metrics import RouterMetrics
+
+        RouterMetrics.of(self.backend).extra_exposition = exposition
+
     async def replica_stats(self) -> dict:
         return self.backend.replica_stats() if self.backend else {}
 

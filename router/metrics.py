@@ -46,6 +46,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 class RouterMetrics:
     def __init__(self, backend: Backend | None = None) -> None:
+        self.extra_exposition = b""  # Prometheus text set by other components (the controller)
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -113,8 +114,9 @@ class RouterMetrics:
             self.tpot.observe((last_token - first_token) / (num_output_tokens - 1))
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The Prometheus text exposition and its content type (plus series other components
+        publish through the router, e.g. the planner's)."""
+        return generate_latest(self.registry) + self.extra_exposition, CONTENT_TYPE_LATEST
 
 
 class _BackendStatsCollector(Collector):
