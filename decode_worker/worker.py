@@ -32,6 +32,8 @@ from kv_transfer.receiver import KVReceiverServer
 
 logger = logging.getLogger(__name__)
 
+EXPIRE_INTERVAL_S = 0.25
+
 
 @dataclass
 class PendingRequest:
@@ -144,6 +146,7 @@ class DecodeWorker(EngineWorker):
         super().__init__(options, name)
         kv = self.options.kv
         self.pending: dict[str, PendingRequest] = {}
+        self._last_expire = 0.0
         self.leases = LeaseTable(
             self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._admit
         )
@@ -209,7 +212,12 @@ class DecodeWorker(EngineWorker):
         self.loop.wake()
 
     def _expire(self) -> None:
-        """End pending requests whose lease is gone (transfer failed, timed out or stalled)."""
+        """End pending requests whose lease is gone (transfer failed, timed out or stalled).
+        At most every EXPIRE_INTERVAL_S: it takes the engine lock."""
+        now = time.monotonic()
+        if now - self._last_expire < EXPIRE_INTERVAL_S:
+            return
+        self._last_expire = now
         with self.loop.lock:
             for request_id, pending in list(self.pending.items()):
                 try:

@@ -1,7 +1,7 @@
 """Runs an LLMEngine on a background thread, for the serving workers.
 
 Other threads (Ray actor calls, the KV receiver) change the engine only while holding
-``lock``; the loop holds it for each step. ``wake()`` tells an idle loop there is work.
+``lock``; the loop holds it for each step and lets waiting callers in between steps. ``wake()`` tells an idle loop there is work.
 Every step's result goes to ``on_result`` (called on the loop thread, with the lock held).
 An exception inside a step is handed to ``on_error`` and the loop keeps serving: one bad
 batch must not take the worker down.
@@ -22,6 +22,36 @@ logger = logging.getLogger(__name__)
 LayerHook = Callable[[ScheduledBatch], Callable[[int], None] | None]
 
 
+class CallerFirstLock:
+    """A re-entrant lock that the engine loop hands over between steps whenever another
+    thread is waiting for it (a plain RLock is unfair: the loop could re-take it at once,
+    step after step, and starve a reservation or a poll)."""
+
+    def __init__(self) -> None:
+        self.rlock = threading.RLock()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._count:
+            self.waiting += 1
+        try:
+            return self.rlock.acquire(blocking, timeout)
+        finally:
+            with self._count:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        self.rlock.release()
+
+    def __enter__(self) -> CallerFirstLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class ServingLoop:
     def __init__(
         self,
@@ -33,11 +63,11 @@ class ServingLoop:
         name: str = "engine-loop",
     ) -> None:
         self.engine = engine
-        self.lock = threading.RLock()
+        self.lock = CallerFirstLock()
         self._on_result = on_result
         self._on_error = on_error
         self._layer_hook = layer_hook
-        self._work = threading.Condition(self.lock)
+        self._work = threading.Condition(self.lock.rlock)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
@@ -57,7 +87,7 @@ class ServingLoop:
 
     def _run(self) -> None:
         while True:
-            with self.lock:
+            with self.lock.rlock:  # the loop's own hold is not counted as waiting
                 while not self._stopped and not self.engine.has_unfinished():
                     self._work.wait(timeout=1.0)
                 if self._stopped:
@@ -71,4 +101,6 @@ class ServingLoop:
                     if self._on_error is None:
                         raise
                     self._on_error(err)
-            time.sleep(0)  # let callers waiting for the lock take it between steps
+            # Between steps, callers waiting for the lock go first.
+            while self.lock.waiting:
+                time.sleep(0.0001)
