@@ -1,0 +1,234 @@
+"""Simulator benchmarks and checks behind benchmarks/RESULTS.md ("Planner and simulator").
+
+    python -m benchmarks.sim_bench measure-cpu --out FILE   # tiny engine on this CPU → calibration
+    python -m benchmarks.sim_bench scale                    # 1,000 GPUs, 1 hour: wall time
+    python -m benchmarks.sim_bench burst                    # planner: steady load, 3x burst
+    python -m benchmarks.sim_bench opt13b                   # DistServe's chatbot setting
+    python -m benchmarks.sim_bench cpu-serve --serve-json F --calibration C
+        # replay a `pdcluster bench serve --json-out F` run (its exact arrivals and lengths)
+        # through the simulator calibrated on this CPU; TTFT/TPOT percentiles side by side
+
+Calibration files hold ``{"prefill": [[prompts, len, s], ...], "decode": [[batch, ctx, s], ...]}``
+(:class:`cluster.simulator.cost_model.Measurements`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cluster.config import PlannerConfig, PoolConfig, SLOConfig
+from cluster.simulator.cluster_model import SimConfig
+from cluster.simulator.cost_model import (
+    CPU_EFFICIENCY,
+    CostModel,
+    Measurements,
+    ModelShape,
+    calibrate,
+)
+from cluster.simulator.hardware import hardware
+from cluster.simulator.report import recovery_time
+from cluster.simulator.search import PlanSpec, plan
+from cluster.simulator.simulation import simulate
+from cluster.simulator.workload import Workload, burst_rate, poisson, rate_pattern
+
+CPU_CALIBRATION = Path(__file__).with_name("sim_calibration_cpu_tiny.json")
+
+
+def measure_cpu(out: str) -> int:
+    """Prefill time vs (prompts, length) and decode step time vs batch of the tiny engine,
+    one torch thread (as a worker of local-cpu.yaml runs). ~10 s of one core."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM("tiny", progress=False, max_num_seqs=64, max_num_batched_tokens=4096)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return torch.randint(3, 256, (n, length), generator=gen).tolist()
+
+    def median_s(fn, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[reps // 2]
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate(prompts(2, 64), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    prefill = []
+    for n, length in ((1, 128), (1, 512), (1, 1024), (4, 128), (8, 128), (8, 256)):
+        prefill.append(
+            (n, length, median_s(lambda n=n, length=length: llm.generate(prompts(n, length), one)))
+        )
+    decode, steps = [], 32
+    full = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for b in (1, 8, 32):
+        t_prefill = median_s(lambda b=b: llm.generate(prompts(b, 128), one))
+        t_total = median_s(lambda b=b: llm.generate(prompts(b, 128), full))
+        decode.append((b, 128 + steps / 2, (t_total - t_prefill) / steps))
+    Path(out).write_text(json.dumps({"prefill": prefill, "decode": decode}, indent=1))
+    for n, length, t in prefill:
+        print(f"prefill {n} x {length}: {t * 1e3:.1f} ms ({n * length / t:,.0f} tok/s)")
+    for b, _, t in decode:
+        print(f"decode batch {b}: {t * 1e3:.2f} ms/step")
+    print(f"wrote {out}")
+    return 0
+
+
+def cpu_cost_model(calibration: str | Path = CPU_CALIBRATION) -> CostModel:
+    """The tiny model on the CPU preset, calibrated (fp32 KV, as local-cpu.yaml runs)."""
+    data = json.loads(Path(calibration).read_text())
+    measured = Measurements(tuple(map(tuple, data["prefill"])), tuple(map(tuple, data["decode"])))
+    base = CostModel(
+        hardware("CPU"), ModelShape.load("tiny"), efficiency=CPU_EFFICIENCY, kv_cache_bytes=4
+    )
+    return calibrate(base, measured)
+
+
+def cpu_serve(serve_json: str, calibration: str) -> int:
+    """Replay a measured `pdcluster bench serve` run on local-cpu.yaml's layout (1 prefill +
+    1 decode actor, 1,024 x 16 KV tokens, 64 seqs, 2,048-token prefill budget)."""
+    run = json.loads(Path(serve_json).read_text())
+    reqs = sorted((r for r in run["requests"] if r.get("input_len")), key=lambda r: r["start_s"])
+    workload = Workload(
+        np.array([r["start_s"] for r in reqs]),
+        np.array([r["input_len"] for r in reqs]),
+        np.array([r["output_len"] for r in reqs]),
+    )
+    config = SimConfig(
+        cpu_cost_model(calibration), max_batched_tokens=2048, max_num_seqs=64, kv_tokens=1024 * 16
+    )
+    sim = simulate(config, workload)
+    measured = run["summary"]
+    print(
+        f"{len(workload)} requests at {run['config']['rate']} req/s, input {run['config']['input_len']}, output {run['config']['output_len']}"
+    )
+    print(f"{'':10}{'measured':>10}{'simulated':>10}{'error':>8}")
+    worst = 0.0
+    for which in ("ttft", "tpot"):
+        for p in (50, 90):
+            real = measured[f"{which}_ms"][f"p{p}"]
+            simulated = sim.percentile(which, p) * 1e3
+            err = simulated / real - 1
+            worst = max(worst, abs(err))
+            print(f"{which} p{p:<5}{real:>10.1f}{simulated:>10.1f}{err:>+8.0%}")
+    print(f"worst error {worst:.0%} ({'within' if worst <= 0.25 else 'OUTSIDE'} 25%)")
+    return 0
+
+
+def scale() -> int:
+    """1,000 H100s for an hour: Llama-3-70B at tp 8 (125 replicas), long documents,
+    sinusoidal load 350–550 req/s, the planner on."""
+    cost = CostModel(hardware("H100"), ModelShape.load("llama3-70b"), tp=8, kv_cache_bytes=1)
+    t0 = time.perf_counter()
+    workload = rate_pattern(
+        lambda t: 450 + 100 * np.sin(2 * np.pi * np.asarray(t) / 3600),
+        550,
+        3600,
+        "lognormal:4096:0.6",
+        "lognormal:512:0.8",
+        seed=0,
+    )
+    t1 = time.perf_counter()
+    config = SimConfig(
+        cost,
+        SLOConfig(ttft_ms=3000, tpot_ms=60),
+        prefill=PoolConfig(min_replicas=8, max_replicas=110, initial_replicas=90),
+        decode=PoolConfig(min_replicas=4, max_replicas=40, initial_replicas=30),
+        planner=PlannerConfig(enabled=True, interval_s=10, cooldown_s=120, max_step=4, warmup_s=30),
+        startup_s=90,
+    )
+    result = simulate(config, workload)
+    t2 = time.perf_counter()
+    gpus = [row["gpus"] for row in result.ticks]
+    s = result.summary()
+    print(
+        f"{len(workload):,} requests, GPUs {min(gpus)}–{max(gpus)} (mean {np.mean(gpus):.0f}), "
+        f"{s['gpu_hours']:.0f} GPU-hours, attainment {s['attainment']:.2%}, "
+        f"{s['scaling_actions']} scaling actions"
+    )
+    print(f"trace generation {t1 - t0:.1f} s, simulation {t2 - t1:.1f} s wall")
+    return 0
+
+
+def burst() -> int:
+    """Llama-3-8B on H100 (tp 1), 1,024/256-token requests at 40 req/s: 20 min steady, and
+    a 3x burst for 5 min; planner every 10 s, replicas ready 30 s after the decision."""
+    cost = CostModel(hardware("H100"), ModelShape.load("llama3-8b"))
+    planner = PlannerConfig(enabled=True, interval_s=10, cooldown_s=60, max_step=2, warmup_s=20)
+    pools = dict(
+        prefill=PoolConfig(min_replicas=1, max_replicas=32, initial_replicas=2),
+        decode=PoolConfig(min_replicas=1, max_replicas=32, initial_replicas=2),
+    )
+    slo = SLOConfig(ttft_ms=500, tpot_ms=50)
+    config = SimConfig(cost, slo, planner=planner, startup_s=30, **pools)
+    steady = simulate(config, poisson(40, 1200, "lognormal:1024:0.5", "exp:256", seed=1))
+    print(f"steady 40 req/s, 20 min: attainment {steady.attainment():.1%}, scaling actions:")
+    for d in steady.decisions:
+        print(f"  t={d.time_s:.0f} {d.pool} {d.current}→{d.target}: {d.reason}")
+    w = rate_pattern(
+        burst_rate(40, 3.0, 600, 300), 120, 1500, "lognormal:1024:0.5", "exp:256", seed=2
+    )
+    r = simulate(config, w)
+    peak = {p: max(row[p] for row in r.ticks) for p in ("prefill", "decode")}
+    print(
+        f"3x burst at t=600–900 s: attainment {r.attainment():.1%} overall, back at ≥90% per "
+        f"10-s window {recovery_time(r, 600):.0f} s after the burst began; peak replicas {peak}; "
+        f"{len(r.decisions)} scaling actions"
+    )
+    for d in r.decisions:
+        print(f"  t={d.time_s:.0f} {d.pool} {d.current}→{d.target}: {d.reason}")
+    return 0
+
+
+def opt13b() -> int:
+    """DistServe's chatbot setting: OPT-13B on A100s, TTFT 0.25 s / TPOT 0.1 s at 90%."""
+    cost = CostModel(hardware("A100"), ModelShape.load("opt-13b"))
+    spec = PlanSpec(
+        cost,
+        SLOConfig(ttft_ms=250, tpot_ms=100, percentile=90),
+        "lognormal:755:0.8",
+        "lognormal:200:0.8",
+    )
+    for rate in (5.0, 10.0, 20.0):
+        disagg, coloc = plan(spec, rate)
+        print(f"{rate:g} req/s:")
+        print(f"  disaggregated: {disagg.describe()}")
+        print(f"  colocated:     {coloc.describe()}")
+        print(
+            f"  goodput/GPU disaggregated ÷ colocated: {disagg.goodput_per_gpu / coloc.goodput_per_gpu:.2f}x"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure-cpu")
+    m.add_argument("--out", default=str(CPU_CALIBRATION))
+    c = sub.add_parser("cpu-serve")
+    c.add_argument("--serve-json", required=True)
+    c.add_argument("--calibration", default=str(CPU_CALIBRATION))
+    for name in ("scale", "burst", "opt13b"):
+        sub.add_parser(name)
+    args = parser.parse_args(argv)
+    if args.cmd == "measure-cpu":
+        return measure_cpu(args.out)
+    if args.cmd == "cpu-serve":
+        return cpu_serve(args.serve_json, args.calibration)
+    return {"scale": scale, "burst": burst, "opt13b": opt13b}[args.cmd]()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
