@@ -44,12 +44,18 @@ def wait_pools_ready(running, prefill: int = 2, decode: int = 2) -> None:
 
     def ready() -> bool:
         pools = ray.get(running.controller.status.remote())["pools"]
-        if not all(len(pools.get(pool, [])) == count for pool, count in (("prefill", prefill), ("decode", decode))):
+        if not all(
+            len(pools.get(pool, [])) == count
+            for pool, count in (("prefill", prefill), ("decode", decode))
+        ):
             return False
         try:  # every listed actor answers (a killed one may not be noticed yet)
             for pool in ("prefill", "decode"):
                 for replica in pools[pool]:
-                    ray.get(ray.get_actor(replica["name"], namespace="pdcluster").info.remote(), timeout=5)
+                    ray.get(
+                        ray.get_actor(replica["name"], namespace="pdcluster").info.remote(),
+                        timeout=5,
+                    )
         except Exception:  # noqa: BLE001 - not yet
             return False
         return True
