@@ -304,11 +304,18 @@ class Controller:
             r for r in self.replicas.values() if r.pool == decision.pool and r.state == "ready"
         ]
         if decision.target > len(current):
-            for _ in range(decision.target - len(current)):
-                name = await self.add_replica(decision.pool)
-                self.events.append(
-                    ControllerEvent(time.time(), "scale", f"+{name}: {decision.reason}")
-                )
+            # Started together; each joins the rotation as soon as its model is loaded.
+            names = await asyncio.gather(
+                *(self.add_replica(decision.pool) for _ in range(decision.target - len(current))),
+                return_exceptions=True,
+            )
+            for name in names:
+                if isinstance(name, BaseException):
+                    message = f"scale up {decision.pool}: {name}"
+                    self.events.append(ControllerEvent(time.time(), "error", message))
+                else:
+                    message = f"+{name}: {decision.reason}"
+                    self.events.append(ControllerEvent(time.time(), "scale", message))
         elif decision.target < len(current):
             # Drain the youngest: it holds the least cached prefixes.
             victims = sorted(current, key=lambda r: r.ready_at or 0, reverse=True)[
