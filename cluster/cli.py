@@ -83,8 +83,10 @@ def _add_bench(sub) -> None:
 
     add_serve_bench_parser(benches)
     from benchmarks.chaos_bench import add_chaos_parser
+    from benchmarks.gpu_kernels import add_kernels_parser
 
     add_chaos_parser(benches)
+    add_kernels_parser(benches)
     try:
         from benchmarks.transfer_bench import add_transfer_parser
     except ImportError:  # pragma: no cover - arrives with the KV transfer benchmark
