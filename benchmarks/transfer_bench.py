@@ -13,6 +13,9 @@ at once (no model runs), so the numbers are the transport's own ceiling. Modes:
 
 Reported: payload GB/s (bytes on the wire), effective KV GB/s (bytes those tokens occupy in a
 bf16 cache, delivered per second), and the raw-socket GB/s for the passthrough byte count.
+By default the kv frames go over the gRPC stream (hand-serialised frames), as the workers
+send them; ``--data-channel`` measures the opt-in raw TCP data channel instead. The source tensors are never modified, so they are
+sent with ``copy=False`` (no defensive copy of the caller's CPU tensors).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def measure_grpc(
     repeats: int,
     max_frame_bytes: int,
     frames_in_flight: int,
+    data_channel: bool = False,
 ) -> dict:
     """Best of ``repeats`` transfers of ``tokens`` tokens in ``mode``, into a fresh cache."""
     blocks = -(-tokens // block_size)
@@ -81,7 +85,9 @@ def measure_grpc(
     cache = PagedKVCache(model, blocks, block_size, cache_dtype, torch.device("cpu"))
     lock = threading.RLock()
     leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
-    server = KVReceiverServer(cache, leases, model.fingerprint(), token=TOKEN)
+    server = KVReceiverServer(
+        cache, leases, model.fingerprint(), token=TOKEN, data_channel=data_channel
+    )
     server.start()
     source_dtype = FP8 if mode == "fp8" else torch.bfloat16
     k, v, ks, vs = _source(model, blocks, block_size, source_dtype)
@@ -95,6 +101,7 @@ def measure_grpc(
             max_frames_in_flight=frames_in_flight,
             timeout_s=600,
             max_frame_bytes=max_frame_bytes,
+            data_channel=data_channel,
         ) as sender:
             for i in range(repeats):
                 lease = leases.reserve(f"bench-{i}", tokens)
@@ -110,7 +117,7 @@ def measure_grpc(
                     source_dtype,
                 )
                 for layer in range(model.num_layers):
-                    stream.send_layer(layer, k, v, *scales)
+                    stream.send_layer(layer, k, v, *scales, copy=False)
                 result = stream.finish(first_token=0)
                 seconds = time.perf_counter() - start
                 with lock:
@@ -177,13 +184,15 @@ def run_transfer_benchmark(
     frames_in_flight: int = 8,
     model: ModelConfig = LLAMA3_8B,
     log=print,
+    data_channel: bool = False,
 ) -> list[dict]:
     """One row per token count: raw socket, then each mode. Returns the rows (also printed)."""
     log(
         f"layer stack: {model.num_layers} layers x {model.num_kv_heads} kv heads x head_dim "
         f"{model.head_dim}, bf16 cache, block {block_size}; frames <= {max_frame_bytes >> 20} "
         f"MiB, {frames_in_flight} in flight; best of {repeats}; torch threads "
-        f"{torch.get_num_threads()}"
+        f"{torch.get_num_threads()}; kv frames over "
+        f"{'the TCP data channel' if data_channel else 'gRPC'}"
     )
     # Warm-up: gRPC channel setup, codec paths.
     for mode in modes:
@@ -195,6 +204,7 @@ def run_transfer_benchmark(
             repeats=1,
             max_frame_bytes=max_frame_bytes,
             frames_in_flight=frames_in_flight,
+            data_channel=data_channel,
         )
     rows = []
     for tokens in token_counts:
@@ -211,6 +221,7 @@ def run_transfer_benchmark(
                 repeats=repeats,
                 max_frame_bytes=max_frame_bytes,
                 frames_in_flight=frames_in_flight,
+                data_channel=data_channel,
             )
         rows.append(row)
         log(format_row(row, modes))
@@ -250,6 +261,11 @@ def add_transfer_parser(bench_subparsers) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-frame-mib", type=float, default=DEFAULT_MAX_FRAME_BYTES / 2**20)
     p.add_argument("--frames-in-flight", type=int, default=8)
+    p.add_argument(
+        "--data-channel",
+        action="store_true",
+        help="send the kv frames over the opt-in TCP data channel instead of the gRPC stream",
+    )
     p.add_argument("--json-out", default=None, help="also write the rows as JSON here")
     p.set_defaults(func=run_transfer_cli)
 
@@ -267,6 +283,7 @@ def run_transfer_cli(args) -> int:
         max_frame_bytes=int(args.max_frame_mib * 2**20),
         frames_in_flight=args.frames_in_flight,
         log=lambda line: None,
+        data_channel=args.data_channel,
     )
     print(format_header(modes))
     for row in rows:

@@ -159,6 +159,7 @@ class DecodeWorker(EngineWorker):
             token=kv.token,
             tls_cert=kv.tls_cert,
             tls_key=kv.tls_key,
+            data_channel=kv.data_channel,
         )
         self.receiver.start()
         self.loop.start()

@@ -18,6 +18,9 @@ class KVTransferOptions:
     host: str = "127.0.0.1"  # where decode workers' KV receivers listen
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
+    # Opt-in: kv frames over a second, raw TCP port negotiated in the gRPC handshake (same
+    # token, optional TLS); ~2x loopback throughput, but the port must be reachable.
+    data_channel: bool = False
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in ("fp8", "passthrough"):

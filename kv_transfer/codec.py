@@ -28,8 +28,8 @@ _DTYPE_NAMES = {
 }
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
-# Payloads arrive as immutable ``bytes``; the tensors viewing them are only read (copied into
-# the cache), so torch's warning about non-writable buffers does not apply.
+# Payloads arrive as views of immutable ``bytes``; the tensors viewing them are only read
+# (copied into the cache), so torch's warning about non-writable buffers does not apply.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
@@ -149,24 +149,37 @@ def encode_layer(
     )
 
 
-def _rows(t: torch.Tensor) -> memoryview:
-    # One row of bytes per block, so a group of blocks is a memoryview slice (no copy).
-    return memoryview(t.view(torch.uint8).reshape(t.shape[0], -1).numpy())
+def _flat(t: torch.Tensor) -> tuple[memoryview, int]:
+    """A flat byte view of a contiguous CPU tensor (the view keeps it alive) and the bytes of
+    one block (row)."""
+    flat = t.view(torch.uint8).reshape(-1)
+    return memoryview(flat.numpy()), flat.numel() // max(1, t.shape[0])
+
+
+def layer_chunk_parts(
+    layer: EncodedLayer, blocks_per_frame: int
+) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """(block_start, block_count, payload parts) per frame: the parts (K rows, V rows, then K
+    and V scales) are flat memoryviews of the layer's tensors, not copies; their
+    concatenation is the frame's payload."""
+    n = layer.k.shape[0]
+    tensors = [layer.k, layer.v]
+    if layer.k_scale is not None:
+        tensors += [layer.k_scale, layer.v_scale]
+    views = [_flat(t) for t in tensors]
+    for start in range(0, n, blocks_per_frame):
+        stop = min(n, start + blocks_per_frame)
+        yield start, stop - start, [view[start * row : stop * row] for view, row in views]
 
 
 def layer_chunks(layer: EncodedLayer, blocks_per_frame: int) -> Iterator[tuple[int, int, bytes]]:
     """(block_start, block_count, payload) per frame: K rows, V rows, then K and V scales."""
-    n = layer.k.shape[0]
-    parts = [_rows(layer.k), _rows(layer.v)]
-    if layer.k_scale is not None:
-        parts += [_rows(layer.k_scale), _rows(layer.v_scale)]
-    for start in range(0, n, blocks_per_frame):
-        stop = min(n, start + blocks_per_frame)
-        yield start, stop - start, b"".join(p[start:stop] for p in parts)
+    for start, count, parts in layer_chunk_parts(layer, blocks_per_frame):
+        yield start, count, b"".join(parts)
 
 
 def decode_chunk(
-    payload: bytes,
+    payload: bytes | memoryview,
     block_count: int,
     spec: WireSpec,
     cache_dtype: torch.dtype,
@@ -177,7 +190,7 @@ def decode_chunk(
     they came); a float cache gets the fp8 payload dequantised, or a passthrough payload cast
     (a no-op, so bit-exact, when the dtypes agree). Raises FrameError on a wrong size."""
     expected = spec.chunk_bytes(block_count)
-    if len(payload) != expected:
+    if memoryview(payload).nbytes != expected:
         raise FrameError(
             f"payload of {block_count} blocks must be {expected} bytes, got {len(payload)}"
         )

@@ -3,9 +3,18 @@ layer by layer, while later layers still compute.
 
 ``KVSender`` holds one gRPC channel to one decode worker's receiver and opens a
 ``TransferStream`` per request. The stream's frames go through a bounded queue that gRPC's
-own thread drains into the RPC: ``send_layer`` (called from the model's ``layer_done`` hook)
-encodes a layer and enqueues its frames, and blocks once ``max_frames_in_flight`` frames
-wait (backpressure: memory held by a slow transfer is bounded by that many frames).
+own thread drains: ``send_layer`` (called from the model's ``layer_done`` hook) encodes a
+layer and enqueues its frames (views of the layer's CPU tensors, no payload copy), and blocks
+once ``max_frames_in_flight`` frames wait (backpressure: memory held by a slow transfer is
+bounded by that many frames).
+
+Data path: by default the kv frames go over the gRPC stream, serialised by hand (no protobuf
+objects). Opt-in (``data_channel=True``): the handshake asks for a data channel; when
+the receiver offers one (gRPC initial metadata, see :mod:`kv_transfer.frames`), the drain
+thread connects to it (TLS when the channel is TLS), authenticates with the same token plus
+the stream's ticket, and writes the kv frames there with ``sendmsg`` straight from the
+tensors' memory; the handshake, the end frame and the receiver's status stay on gRPC. It
+about doubles loopback throughput but needs a second port open on the decode host.
 
 Thread-safety: a ``KVSender`` may be shared by threads (gRPC channels are thread-safe); one
 ``TransferStream`` is driven by one thread.
@@ -14,6 +23,8 @@ Thread-safety: a ``KVSender`` may be shared by threads (gRPC channels are thread
 from __future__ import annotations
 
 import queue
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -25,15 +36,18 @@ from kv_transfer.codec import (
     WireSpec,
     dtype_name,
     encode_layer,
-    layer_chunks,
+    layer_chunk_parts,
     payload_dtype_for,
 )
 from kv_transfer.errors import KVTransferError
 from kv_transfer.receiver import grpc_options
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos import kv_transfer_pb2
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+PUSH_METHOD = "/pdcluster.kv_transfer.KVTransfer/Push"
 _DONE = object()  # ends the request iterator
+_KV, _CONTROL = 0, 1  # queued items: kv frames may take the data channel, control frames not
+_STATUS_WAIT_S = 2.0  # after a data-channel error: how long to wait for the receiver's status
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class KVSender:
         timeout_s: float = 30.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         tls_server_name: str | None = None,
+        data_channel: bool = False,
     ) -> None:
         if max_frames_in_flight < 1:
             raise ValueError("max_frames_in_flight must be at least 1")
@@ -66,8 +81,13 @@ class KVSender:
         self.max_frames_in_flight = max_frames_in_flight
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.data_channel = data_channel
+        self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),)
+        self._host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
         options = grpc_options()
+        self._ssl: ssl.SSLContext | None = None
+        self._server_name = tls_server_name or self._host
         if tls_root_cert is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
@@ -75,7 +95,28 @@ class KVSender:
                 options.append(("grpc.ssl_target_name_override", tls_server_name))
             creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
             self._channel = grpc.secure_channel(address, creds, options=options)
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
+            self._ssl = ssl.create_default_context(cadata=tls_root_cert.decode())
+        # Push with a hand-written serializer: frames go out as (meta, payload parts, crc)
+        # encoded straight to Frame bytes, never through protobuf objects.
+        push = self._channel.stream_unary(
+            PUSH_METHOD,
+            request_serializer=frames.serialize_wire,
+            response_deserializer=kv_transfer_pb2.PushReply.FromString,
+        )
+        self._stub = type("KVTransferStub", (), {"Push": push})()
+
+    def _connect_data(self, port: int, ticket: str, timeout_s: float) -> socket.socket:
+        """The authenticated data connection of one stream (TLS when the channel is)."""
+        sock = socket.create_connection((self._host, port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._server_name)
+            sock.sendall(frames.data_preamble(self._token, ticket))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def open(
         self,
@@ -99,6 +140,7 @@ class KVSender:
             num_tokens=num_tokens,
             wire_dtype=wire_dtype,
             payload_dtype=dtype_name(payload_dtype),
+            data_channel=self.data_channel,
         )
         spec = WireSpec(
             block_size,
@@ -133,7 +175,11 @@ class TransferStream:
         self.spec = spec
         self.num_layers = num_layers
         self.cache_dtype = cache_dtype
+        self._sender = sender
         self._timeout_s = sender.timeout_s
+        self._data: socket.socket | None = None
+        self.used_data_channel = False  # the kv frames went over the data channel
+        self._data_error: BaseException | None = None
         self._blocks_per_frame = spec.blocks_per_frame(sender.max_frame_bytes)
         self._queue: queue.Queue = queue.Queue(maxsize=sender.max_frames_in_flight)
         self._start = time.perf_counter()
@@ -145,7 +191,7 @@ class TransferStream:
         self._future = sender._stub.Push.future(
             self._frames(), metadata=sender._metadata, timeout=sender.timeout_s
         )
-        self._put(frames.encode_handshake(handshake))
+        self._put((_CONTROL, frames.encode_handshake(handshake)))
 
     # ---- public -----------------------------------------------------------------------
     def send_layer(
@@ -155,11 +201,16 @@ class TransferStream:
         v_blocks: torch.Tensor,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        *,
+        copy: bool = True,
     ) -> None:
         """Ship one layer: blocks ``[n, bs, Hkv, D]`` of this sequence in block-table order
         (any device). Scales ``[n, Hkv]`` are given when the source cache is fp8. Blocks while
         ``max_frames_in_flight`` frames are queued; raises KVTransferError if the receiver has
-        already refused the stream."""
+        already refused the stream. The caller may reuse the tensors once this returns, unless
+        ``copy=False``: then the frames are sent straight from CPU tensors' memory, which the
+        caller must leave unmodified until ``finish``/``abort`` returns (tensors on another
+        device are copied to the host either way)."""
         if self._closed:
             raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
         n = self.handshake.num_blocks
@@ -176,15 +227,19 @@ class TransferStream:
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        for start, count, payload in layer_chunks(layer_payload, self._blocks_per_frame):
-            self._put(frames.encode_kv(layer, start, count, payload))
-            self.payload_bytes += len(payload)
+        # Queued frames are views of these tensors: own them, so the caller may reuse its own.
+        if copy:
+            layer_payload = _owned(layer_payload, (k_blocks, v_blocks, k_scale, v_scale))
+        for start, count, parts in layer_chunk_parts(layer_payload, self._blocks_per_frame):
+            # The checksum is taken by the drain thread, off the engine's thread.
+            self._put((_KV, (layer, start, count, parts)))
+            self.payload_bytes += sum(p.nbytes for p in parts)
             self._num_kv_frames += 1
 
     def finish(self, first_token: int) -> TransferResult:
         """Send the final frame and wait for the receiver's answer. Raises KVTransferError
         with the receiver's status code and message if it refused the transfer."""
-        self._put(frames.encode_end(first_token, self._num_kv_frames))
+        self._put((_CONTROL, frames.encode_end(first_token, self._num_kv_frames)))
         self._end_iterator()
         try:
             self._future.result(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0)
@@ -215,18 +270,110 @@ class TransferStream:
         """Cancel the RPC; the receiver releases the lease at once. Idempotent."""
         self._future.cancel()
         self._end_iterator()
+        data = self._data
+        if data is not None:
+            try:  # unblock a drain thread stuck in a send; it closes the socket
+                data.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # ---- internals --------------------------------------------------------------------
-    def _frames(self):
-        # Runs on gRPC's thread: hands queued frames to the RPC until _DONE.
+    def _next_item(self):
         while True:
-            item = self._queue.get()
+            try:
+                return self._queue.get(timeout=0.1)
+            except queue.Empty:
+                future = getattr(self, "_future", None)
+                if future is not None and future.done():
+                    return _DONE
+
+    def _frames(self):
+        # Runs on gRPC's thread: hands the queued frames to the RPC, the kv frames to the
+        # data channel when there is one, until _DONE.
+        try:
+            item = self._next_item()
             if item is _DONE:
                 return
-            meta, payload, crc = item
-            yield kv_transfer_pb2.Frame(meta=meta, payload=payload, crc32=crc)
+            yield item[1]  # the handshake
+            if self.handshake.data_channel and not self._open_data_channel():
+                return
+            while True:
+                item = self._next_item()
+                if item is _DONE:
+                    return
+                kind, frame = item
+                if kind == _KV:
+                    frame = frames.encode_kv_parts(*frame)
+                if self._data is not None:
+                    try:
+                        if kind == _KV:
+                            self._send_data(frame)
+                            continue
+                        self._data.sendall(b"\0\0\0\0")  # a zero length: kv frames done
+                    except OSError as err:
+                        self._data_failed(err, wait_for_status=True)
+                        return
+                    self._close_data()
+                yield frame
+        finally:
+            self._close_data()
 
-    def _put(self, frame: tuple[bytes, bytes, int]) -> None:
+    def _open_data_channel(self) -> bool:
+        """After the handshake: use the data channel the receiver offers, if any. False when
+        the stream must end (the call died, or the channel could not be opened)."""
+        try:
+            metadata = dict(self._future.initial_metadata() or ())
+        except Exception:  # the call died before the receiver answered
+            return False
+        port, ticket = metadata.get("kv-data-port"), metadata.get("kv-data-ticket")
+        if port is None or ticket is None:
+            # Declined ("none"): the kv frames go over gRPC. No answer at all: the call died.
+            return not self._future.done()
+        try:
+            self._data = self._sender._connect_data(
+                int(port), ticket, max(1.0, self._deadline - time.monotonic())
+            )
+        except (OSError, ValueError) as err:
+            self._data_failed(err, wait_for_status=False)
+            return False
+        self.used_data_channel = True
+        return True
+
+    def _send_data(self, frame) -> None:
+        meta, parts, crc = frame
+        buffers = frames.wire_parts(meta, parts, crc, length_prefix=True)
+        sock = self._data
+        if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
+            for buf in buffers:
+                sock.sendall(buf)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        while views:
+            sent = sock.sendmsg(views)
+            while views and sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            if sent:
+                views[0] = views[0][sent:]
+
+    def _data_failed(self, err: BaseException, *, wait_for_status: bool) -> None:
+        """The data channel broke: take the receiver's status if it comes (it may have
+        refused the stream and closed the connection), else cancel the call."""
+        self._data_error = err
+        if wait_for_status:
+            try:
+                self._future.exception(timeout=_STATUS_WAIT_S)
+            except Exception:
+                pass
+        if not self._future.done():
+            self._future.cancel()
+
+    def _close_data(self) -> None:
+        data, self._data = self._data, None
+        if data is not None:
+            data.close()
+
+    def _put(self, frame) -> None:
         if self._closed:
             raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
         while True:
@@ -270,10 +417,34 @@ class TransferStream:
         except grpc.RpcError as err:
             return _from_rpc_error(err)
         except grpc.FutureCancelledError:
+            if self._data_error is not None:
+                return KVTransferError(
+                    f"KV data channel to {self._sender.address} failed: {self._data_error}",
+                    "UNAVAILABLE",
+                )
             return KVTransferError("KV transfer was aborted", "CANCELLED")
         except Exception as err:
             return KVTransferError(f"KV transfer failed: {err!r}")
         return KVTransferError("the receiver answered before the transfer finished", "INTERNAL")
+
+
+def _owned(layer, sources):
+    """``layer`` with every tensor that shares memory with one of the caller's (CPU) tensors
+    copied, so queued frames never see the caller reuse its tensors. The copy is a numpy
+    memcpy: one thread, GIL released (torch's would fan out to its intra-op pool)."""
+    ptrs = {
+        t.untyped_storage().data_ptr() for t in sources if t is not None and t.device.type == "cpu"
+    }
+    if not ptrs:
+        return layer
+
+    def own(t):
+        if t is None or t.untyped_storage().data_ptr() not in ptrs:
+            return t
+        raw = t.reshape(-1).view(torch.uint8).numpy().copy()
+        return torch.from_numpy(raw).view(t.dtype).view(t.shape)
+
+    return type(layer)(own(layer.k), own(layer.v), own(layer.k_scale), own(layer.v_scale))
 
 
 def _from_rpc_error(err: grpc.RpcError) -> KVTransferError:

@@ -204,6 +204,7 @@ class PrefillWorker:
                     tls_root_cert=kv.tls_cert,
                     max_frames_in_flight=kv.max_frames_in_flight,
                     timeout_s=kv.lease_timeout_s,
+                    data_channel=kv.data_channel,
                 )
             return sender
 

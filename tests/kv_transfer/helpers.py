@@ -90,6 +90,7 @@ def start_receiver(
     lease_timeout_s: float = 10.0,
     tls: tuple[bytes, bytes] | None = None,
     sweep_interval_s: float = 0.05,
+    data_channel: bool = False,
 ) -> Receiver:
     cache = make_cache(dtype, num_blocks)
     blocks = BlockManager(num_blocks, BLOCK_SIZE)
@@ -103,6 +104,7 @@ def start_receiver(
         tls_cert=tls[0] if tls else None,
         tls_key=tls[1] if tls else None,
         sweep_interval_s=sweep_interval_s,
+        data_channel=data_channel,
     )
     server.start()
     return Receiver(cache, blocks, leases, server, lock)

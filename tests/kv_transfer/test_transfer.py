@@ -296,12 +296,13 @@ def _self_signed() -> tuple[bytes, bytes]:
 def test_tls_transfer_and_plaintext_peer_refused():
     pytest.importorskip("cryptography")
     cert, key = _self_signed()
-    r = start_receiver(torch.bfloat16, tls=(cert, key))
+    r = start_receiver(torch.bfloat16, tls=(cert, key), data_channel=True)
     try:
         lease = r.leases.reserve("req-tls", 20)
         k, v = _layers(2, torch.bfloat16)
-        _send(r.address, lease, k, v, tls_root_cert=cert)
+        _send(r.address, lease, k, v, tls_root_cert=cert, data_channel=True)
         assert equal_bytes(r.cache.k[:, lease.block_ids], k)
+        assert r.server.stats.data_channel_transfers == 1  # the kv frames went over TLS too
         lease2 = r.leases.reserve("req-plain", 20)
         with pytest.raises(KVTransferError) as err:
             _send(r.address, lease2, k, v, timeout_s=2.0)

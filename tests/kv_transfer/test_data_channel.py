@@ -1,0 +1,296 @@
+"""The hot path of the KV transfer: the hand-written protobuf encoding of ``Frame`` and the
+TCP data channel negotiated over the gRPC stream (auth, checksums, refusals, fallbacks)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_transfer import KVSender, frames
+from kv_transfer.codec import encode_layer, layer_chunk_parts
+from kv_transfer.receiver import grpc_options
+from kv_transfer.sender import PUSH_METHOD
+from protos import kv_transfer_pb2
+from tests.kv_transfer.helpers import (
+    BLOCK_SIZE,
+    FINGERPRINT,
+    MODEL,
+    TOKEN,
+    equal_bytes,
+    handshake,
+    random_blocks,
+    snapshot,
+    start_receiver,
+)
+
+L = MODEL.num_layers
+
+# ---- the Frame encoding ----------------------------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(
+    meta=st.binary(max_size=300),
+    parts=st.lists(st.binary(max_size=200), max_size=4),
+    crc=st.integers(0, 2**32 - 1),
+)
+def test_wire_encoding_is_a_protobuf_frame(meta, parts, crc):
+    data = frames.serialize_wire((meta, parts, crc))
+    message = kv_transfer_pb2.Frame.FromString(data)
+    assert (message.meta, message.payload, message.crc32) == (meta, b"".join(parts), crc)
+    if crc:  # proto3 leaves a zero crc out; otherwise the bytes are protobuf's own
+        assert data == message.SerializeToString()
+    prefixed = b"".join(frames.wire_parts(meta, parts, crc, length_prefix=True))
+    assert prefixed == struct.pack("<I", len(data)) + data
+    parsed = frames.parse_wire(message.SerializeToString())
+    assert parsed.error is None
+    assert (bytes(parsed.meta), bytes(parsed.payload), parsed.crc32) == (
+        meta,
+        b"".join(parts),
+        crc,
+    )
+
+
+@settings(max_examples=300)
+@given(data=st.binary(max_size=64))
+def test_parse_wire_never_raises_and_agrees_with_protobuf(data):
+    parsed = frames.parse_wire(data)
+    if parsed.error is not None:
+        assert "malformed" in parsed.error
+        return
+    message = kv_transfer_pb2.Frame.FromString(data)  # what we accept, protobuf accepts
+    assert (bytes(parsed.meta), bytes(parsed.payload), parsed.crc32) == (
+        message.meta,
+        message.payload,
+        message.crc32,
+    )
+
+
+def test_parse_wire_skips_unknown_fields_and_takes_the_last_value():
+    data = (
+        b"\x0a\x01a"  # meta = "a"
+        + b"\x20\x96\x01"  # field 4, varint (unknown)
+        + b"\x0a\x02bc"  # meta = "bc" (last wins)
+        + b"\x1d\x01\x00\x00\x00"
+    )
+    parsed = frames.parse_wire(data)
+    assert parsed.error is None and bytes(parsed.meta) == b"bc" and parsed.crc32 == 1
+    assert frames.parse_wire(b"\x12\x05ab").error  # runs past the end
+
+
+# ---- the data channel ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def receiver():
+    r = start_receiver(torch.bfloat16, data_channel=True)
+    yield r
+    r.server.stop(0)
+
+
+def _layers(n, seed=0):
+    ks, vs = zip(*(random_blocks(n, torch.bfloat16, seed=seed + i) for i in range(L)), strict=True)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def _send(address, lease, k, v, **kw):
+    kw.setdefault("data_channel", True)
+    with KVSender(address, TOKEN, **kw) as sender:
+        stream = sender.open(
+            lease.request_id,
+            lease.lease_id,
+            FINGERPRINT,
+            BLOCK_SIZE,
+            lease.num_tokens,
+            L,
+            "passthrough",
+            k.dtype,
+        )
+        for layer in range(L):
+            stream.send_layer(layer, k[layer], v[layer])
+        result = stream.finish(first_token=3)
+    return stream, result
+
+
+@pytest.mark.parametrize(
+    "sender_wants, receiver_offers", [(True, True), (False, True), (True, False)]
+)
+def test_round_trip_with_and_without_the_data_channel(sender_wants, receiver_offers):
+    r = start_receiver(torch.bfloat16, data_channel=True)
+    if not receiver_offers:
+        r.server.stop(0)
+        r.server.data_channel = False
+        r.server.start()
+    try:
+        lease = r.leases.reserve("req-d", 3 * BLOCK_SIZE + 5)
+        k, v = _layers(4)
+        stream, result = _send(
+            r.address, lease, k, v, data_channel=sender_wants, max_frame_bytes=4096
+        )
+        used = sender_wants and receiver_offers
+        assert stream.used_data_channel == used
+        assert r.server.stats.data_channel_transfers == int(used)
+        assert lease.state == "complete" and lease.first_token == 3
+        assert equal_bytes(r.cache.k[:, lease.block_ids], k)
+        assert equal_bytes(r.cache.v[:, lease.block_ids], v)
+        assert r.server.stats.bytes_received == result.payload_bytes
+    finally:
+        r.server.stop(0)
+
+
+def test_send_layer_copies_unless_told_not_to(receiver):
+    """By default the caller may overwrite its tensors as soon as send_layer returns."""
+    lease = receiver.leases.reserve("req-copy", 2 * BLOCK_SIZE)
+    k, v = _layers(2)
+    sent_k, sent_v = k.clone(), v.clone()
+    with KVSender(receiver.address, TOKEN, max_frame_bytes=2048) as sender:
+        stream = sender.open(
+            "req-copy", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
+        )
+        for layer in range(L):
+            stream.send_layer(layer, k[layer], v[layer])
+            k[layer].zero_()
+            v[layer].zero_()
+        stream.finish(0)
+    assert equal_bytes(receiver.cache.k[:, lease.block_ids], sent_k)
+    assert equal_bytes(receiver.cache.v[:, lease.block_ids], sent_v)
+
+
+def _data_connect(receiver, token: str, ticket: str) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", receiver.server.data_port), timeout=5)
+    conn.sendall(frames.data_preamble(token, ticket))
+    return conn
+
+
+@pytest.mark.parametrize("token, ticket", [("wrong-token", None), (TOKEN, "no-such-ticket")])
+def test_data_connection_without_token_or_ticket_is_refused(receiver, token, ticket):
+    lease = receiver.leases.reserve("req-t", 16)
+    before = snapshot(receiver.cache)
+    if ticket is None:  # a real, outstanding ticket: the token alone must stop the peer
+        ticket, _slot = receiver.server._data.expect()
+    with _data_connect(receiver, token, ticket) as conn:
+        reply = conn.recv(200)
+        assert reply.startswith(b"refused")
+        assert conn.recv(10) == b""  # closed
+    assert lease.state == "reserved"
+    for old, new in zip(before, snapshot(receiver.cache), strict=True):
+        assert equal_bytes(old, new)
+
+
+def _kv_wire(layer, k, v, blocks_per_frame=1000, corrupt=False):
+    encoded = encode_layer(k, v, wire_dtype="passthrough", num_tokens=k.shape[0] * BLOCK_SIZE)
+    out = []
+    for start, count, parts in layer_chunk_parts(encoded, blocks_per_frame):
+        meta, parts, crc = frames.encode_kv_parts(layer, start, count, parts)
+        out.append(b"".join(frames.wire_parts(meta, parts, crc ^ corrupt, length_prefix=True)))
+    return out
+
+
+def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finish=True):
+    """Handshake over gRPC asking for the data channel, ``data`` (raw bytes) over it, then
+    (``finish``) a zero length and (``end``) the end frame. Returns (status, details)."""
+    channel = grpc.insecure_channel(address, options=grpc_options())
+    push = channel.stream_unary(PUSH_METHOD, request_serializer=frames.serialize_wire)
+    call = []
+
+    def messages():
+        yield frames.encode_handshake(handshake(lease, data_channel=True))
+        metadata = dict(call[0].initial_metadata())
+        with _data_connect_to(address, metadata) as conn:
+            for chunk in data:
+                conn.sendall(chunk)
+            if finish:
+                conn.sendall(b"\0\0\0\0")
+        if end:
+            yield frames.encode_end(1, L)
+
+    try:
+        call.append(push.future(messages(), metadata=(("authorization", f"Bearer {TOKEN}"),)))
+        call[0].result(timeout=10)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+    finally:
+        channel.close()
+
+
+def _data_connect_to(address, metadata):
+    host = address.rsplit(":", 1)[0]
+    conn = socket.create_connection((host, int(metadata["kv-data-port"])), timeout=5)
+    conn.sendall(frames.data_preamble(TOKEN, metadata["kv-data-ticket"]))
+    return conn
+
+
+def _cases(k, v):
+    good = [f for layer in range(L) for f in _kv_wire(layer, k[layer], v[layer])]
+    bad_crc = _kv_wire(0, k[0], v[0], corrupt=True)
+    return {
+        "good": (good, {}, "OK", ""),
+        "bad checksum": ([*bad_crc, *good[1:]], {}, "INVALID_ARGUMENT", "checksum"),
+        "truncated": ([good[0][:100]], {"finish": False}, "INVALID_ARGUMENT", "truncated"),
+        "too large": ([struct.pack("<I", 2**31)], {"finish": False}, "INVALID_ARGUMENT", "limit"),
+        "malformed": ([struct.pack("<I", 3) + b"\x0a\x09a"], {}, "INVALID_ARGUMENT", "malformed"),
+        "duplicate layer": ([*good, good[0]], {}, "INVALID_ARGUMENT", "duplicate layer"),
+        "missing layer": (good[:-1], {}, "INVALID_ARGUMENT", "missing"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "good",
+        "bad checksum",
+        "truncated",
+        "too large",
+        "malformed",
+        "duplicate layer",
+        "missing layer",
+    ],
+)
+def test_data_channel_frames_are_checked_like_grpc_frames(receiver, case):
+    free = receiver.free_blocks()
+    other = receiver.leases.reserve("bystander", 20)
+    lease = receiver.leases.reserve("req-dc", 2 * BLOCK_SIZE)
+    before = snapshot(receiver.cache)
+    k, v = _layers(2)
+    data, kw, status, fragment = _cases(k, v)[case]
+    code, details = push_over_data_channel(receiver.address, lease, data, **kw)
+    assert code == grpc.StatusCode[status], details
+    assert fragment in details
+    mine = set(lease.block_ids)
+    others = [b for b in range(receiver.cache.num_blocks) if b not in mine]
+    for old, new in zip(before, snapshot(receiver.cache), strict=True):
+        assert equal_bytes(old[:, others], new[:, others])
+    assert other.state == "reserved"
+    if case == "good":
+        assert lease.state == "complete"
+        assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
+        with receiver.lock:
+            receiver.blocks.free(list(lease.block_ids))
+    else:
+        assert lease.state == "released"
+    receiver.leases.release(other.lease_id, "test over")
+    assert receiver.free_blocks() == free and receiver.leases.active() == 0
+
+
+def test_sender_that_never_connects_is_timed_out(receiver, monkeypatch):
+    """A sender that asks for the data channel and never connects loses its lease."""
+    monkeypatch.setattr("kv_transfer.receiver.DATA_CONNECT_TIMEOUT_S", 0.3)
+    lease = receiver.leases.reserve("req-n", 16)
+    channel = grpc.insecure_channel(receiver.address, options=grpc_options())
+    push = channel.stream_unary(PUSH_METHOD, request_serializer=frames.serialize_wire)
+    hs = frames.encode_handshake(handshake(lease, data_channel=True))
+    future = push.future(iter([hs]), metadata=(("authorization", f"Bearer {TOKEN}"),))
+    with pytest.raises(grpc.RpcError) as err:
+        future.result(timeout=10)
+    channel.close()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "data connection" in err.value.details()
+    assert lease.state == "released"
+    assert receiver.free_blocks() == receiver.cache.num_blocks
