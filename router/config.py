@@ -49,9 +49,11 @@ class RouterLimits:
     """Admission limits: past them a request is refused at once (429 with Retry-After)
     rather than queued without bound."""
 
-    max_waiting: int = 256  # requests waiting for decode KV capacity
-    queue_timeout_s: float = 30.0  # longest such wait before a 429
-    max_prefill_queue_tokens: int = 1_000_000  # prompt tokens queued on the prefill pool
+    # Shallow by default: past these a client hears 429 at once and can retry elsewhere,
+    # instead of queueing into latencies no SLO allows.
+    max_waiting: int = 64  # requests waiting for decode KV capacity
+    queue_timeout_s: float = 10.0  # longest such wait before a 429
+    max_prefill_queue_tokens: int = 65_536  # prompt tokens queued on the prefill pool
     max_attempts: int = 3  # prefill retries / decode migrations per request
     idle_timeout_s: float = 120.0  # no token for this long: the attempt is abandoned and retried
 
