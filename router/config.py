@@ -56,11 +56,14 @@ class RouterLimits:
     max_prefill_queue_tokens: int = 65_536  # prompt tokens queued on the prefill pool
     max_attempts: int = 3  # prefill retries / decode migrations per request
     idle_timeout_s: float = 120.0  # no token for this long: the attempt is abandoned and retried
+    replica_wait_s: float = (
+        5.0  # with no replica ready (one being replaced), wait this long before a 503
+    )
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        if self.queue_timeout_s < 0 or self.idle_timeout_s <= 0:
-            raise ValueError("queue_timeout_s must be >= 0 and idle_timeout_s > 0")
+        if self.queue_timeout_s < 0 or self.idle_timeout_s <= 0 or self.replica_wait_s < 0:
+            raise ValueError("queue_timeout_s and replica_wait_s must be >= 0, idle_timeout_s > 0")
         if self.max_prefill_queue_tokens < 1 or self.max_attempts < 1:
             raise ValueError("max_prefill_queue_tokens and max_attempts must be >= 1")

@@ -162,8 +162,10 @@ class RayBackend(Backend):
                     return
                 sub = self._attempt_request(request, streamed)
                 worker_rid = f"{request.request_id}#{attempt}"
-                if attempt > 0:
-                    await self._await_replicas(self.limits.queue_timeout_s)
+                # A pool may be empty for a moment while the controller replaces a replica.
+                await self._await_replicas(
+                    self.limits.queue_timeout_s if attempt > 0 else self.limits.replica_wait_s
+                )
                 attempt += 1
                 deltas = self._run_attempt(sub, worker_rid, served_by)
                 try:
