@@ -229,6 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (EngineError, ValueError) as err:
+    except (EngineError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
