@@ -22,6 +22,7 @@ import triton.language as tl
 
 from engine.kernels import dispatch
 from engine.kernels.fp8 import FP8_DTYPE, round_to_bf16_grid
+from engine.kernels.paged import load_paged_kv_tile
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -115,26 +116,22 @@ def _decode_attention_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n  # [BLOCK_N] absolute positions
         tok_ok = tok < end
-        # Gather the page of every token of the tile (BLOCK_N / BLOCK_SIZE distinct pages).
-        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        row = tok % BLOCK_SIZE
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            kc_head
-            + page[:, None] * stride_kcb
-            + row[:, None] * stride_kcr
-            + offs_d[None, :] * stride_kcd,
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, D]
-        v = tl.load(
-            vc_head
-            + page[:, None] * stride_vcb
-            + row[:, None] * stride_vcr
-            + offs_d[None, :] * stride_vcd,
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, D]
+        page, k, v = load_paged_kv_tile(
+            bt_row,
+            kc_head,
+            vc_head,
+            tok,
+            tok_ok,
+            offs_d,
+            d_ok,
+            stride_kcb,
+            stride_kcr,
+            stride_kcd,
+            stride_vcb,
+            stride_vcr,
+            stride_vcd,
+            BLOCK_SIZE,
+        )  # [N], [N, D], [N, D]
 
         # fp8 e4m3 values are exact in fp16/bf16/fp32, so K can enter the dot unscaled and
         # its per-page scale is applied to the fp32 scores instead (one multiply per score).
