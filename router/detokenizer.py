@@ -49,6 +49,9 @@ class IncrementalDetokenizer:
         self.text = ""  # settled text (complete characters), before stop truncation
         self._emitted = 0  # characters of the presented text already returned
         self._scan_from = 0  # stop strings cannot start before this offset of self.text
+        # Complete characters decoded in front of a still-incomplete one: not settled yet, but
+        # a stop string in them ends the stream now, as it ends generation in the engine.
+        self._pending = ""
         self.stopped = False
         self.finished = False
 
@@ -74,7 +77,7 @@ class IncrementalDetokenizer:
     def output_text(self) -> str:
         """All text presented so far plus what is held back, cut at a complete stop string."""
         cut = self._stop_cut()
-        return self.text if cut is None else self.text[:cut]
+        return self.text if cut is None else (self.text + self._pending)[:cut]
 
     # ---- internals --------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
@@ -82,6 +85,7 @@ class IncrementalDetokenizer:
 
     def _settle(self, final: bool) -> None:
         """Move newly complete text from the token window into ``self.text``."""
+        self._pending = ""
         if self._read_offset >= len(self._ids):
             return
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -89,7 +93,9 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) and not final:
             return  # nothing new yet (e.g. first byte of a multi-byte character)
         if full.endswith(_REPLACEMENT) and not final:
-            return  # possibly an incomplete character: wait for its remaining bytes
+            # Possibly an incomplete character: wait for its remaining bytes.
+            self._pending = full[len(prefix) :].rstrip(_REPLACEMENT)
+            return
         self.text += full[len(prefix) :]
         # The next window starts at this one's end: a character boundary, and the tokens
         # decoded with the new ones give the boundary its context.
@@ -101,10 +107,12 @@ class IncrementalDetokenizer:
             return None
         # Text before _scan_from was searched already: only a stop ending in the new text
         # can be new, so long outputs cost O(new text) per call, not O(all text).
-        hits = [i for i in (self.text.find(s, self._scan_from) for s in self.stop) if i >= 0]
+        visible = self.text + self._pending
+        hits = [i for i in (visible.find(s, self._scan_from) for s in self.stop) if i >= 0]
         if hits:
             self._scan_from = min(hits)
             return min(hits)
+        # Only settled text is final: the pending tail is searched again next time.
         self._scan_from = max(0, len(self.text) - max(map(len, self.stop)) + 1)
         return None
 
@@ -120,8 +128,10 @@ class IncrementalDetokenizer:
 
     def _take(self, final: bool) -> str:
         cut = self._stop_cut()
+        source = self.text
         if cut is not None:
             self.stopped = True
+            source = self.text + self._pending
             end = cut
         elif final:
             end = len(self.text)
@@ -129,6 +139,6 @@ class IncrementalDetokenizer:
             end = len(self.text) - self._held_back()
         if end <= self._emitted:
             return ""
-        out = self.text[self._emitted : end]
+        out = source[self._emitted : end]
         self._emitted = end
         return out

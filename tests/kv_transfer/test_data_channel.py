@@ -203,10 +203,13 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
         yield frames.encode_handshake(handshake(lease, data_channel=True))
         metadata = dict(call[0].initial_metadata())
         with _data_connect_to(address, metadata) as conn:
-            for chunk in data:
-                conn.sendall(chunk)
-            if finish:
-                conn.sendall(b"\0\0\0\0")
+            try:
+                for chunk in data:
+                    conn.sendall(chunk)
+                if finish:
+                    conn.sendall(b"\0\0\0\0")
+            except OSError:
+                pass  # the receiver refused a frame and hung up: its status says why
         if end:
             yield frames.encode_end(1, L)
 
