@@ -196,19 +196,27 @@ class DecodeWorker(EngineWorker):
         return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
 
     def _admit(self, lease: Lease) -> None:
-        """The KV receiver finished a transfer (called with the loop lock held)."""
+        """The KV receiver finished a transfer (on its thread): the blocks are now ours."""
         with self.loop.lock:
             pending = self.pending.pop(lease.request_id, None)
             if pending is None:  # cancelled meanwhile: the blocks are ours to free
                 self.engine.block_manager.free(list(lease.block_ids))
                 return
-            _, result = self.engine.admit_prefilled(
-                pending.prompt_token_ids,
-                pending.params,
-                pending.request_id,
-                list(lease.block_ids),
-                lease.first_token,
-            )
+            try:
+                _, result = self.engine.admit_prefilled(
+                    pending.prompt_token_ids,
+                    pending.params,
+                    pending.request_id,
+                    list(lease.block_ids),
+                    lease.first_token,
+                )
+            except Exception as err:  # noqa: BLE001 - never strand the blocks or the stream
+                if not self.engine.has_request(pending.request_id):
+                    self.engine.block_manager.free(list(lease.block_ids))
+                self.outbox.finish(
+                    pending.request_id, "error", f"{self.name}: admission failed: {err}"
+                )
+                return
             self._publish(result)
         self.loop.wake()
 
