@@ -211,7 +211,9 @@ class DecodeWorker(EngineWorker):
                     lease.first_token,
                 )
             except Exception as err:  # noqa: BLE001 - never strand the blocks or the stream
-                if not self.engine.has_request(pending.request_id):
+                if self.engine.has_request(pending.request_id):
+                    self.engine.abort(pending.request_id)  # frees its blocks
+                else:
                     self.engine.block_manager.free(list(lease.block_ids))
                 self.outbox.finish(
                     pending.request_id, "error", f"{self.name}: admission failed: {err}"
