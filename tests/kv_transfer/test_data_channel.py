@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import grpc
 import pytest
@@ -198,9 +199,11 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
     channel = grpc.insecure_channel(address, options=grpc_options())
     push = channel.stream_unary(PUSH_METHOD, request_serializer=frames.serialize_wire)
     call = []
+    started = threading.Event()  # gRPC may pull the next message before future() returns
 
     def messages():
         yield frames.encode_handshake(handshake(lease, data_channel=True))
+        started.wait(10)
         metadata = dict(call[0].initial_metadata())
         with _data_connect_to(address, metadata) as conn:
             try:
@@ -215,6 +218,7 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
 
     try:
         call.append(push.future(messages(), metadata=(("authorization", f"Bearer {TOKEN}"),)))
+        started.set()
         call[0].result(timeout=10)
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as err:
