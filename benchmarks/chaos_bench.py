@@ -157,16 +157,14 @@ def _leaked_blocks(running, timeout_s: float = 60.0) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         leaked = 0
-        for name, handle in running.workers().items():
+        for handle in running.workers().values():
             try:
                 stats = ray.get(handle.stats.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - a replacement still loading: look again
                 leaked = -1
                 break
-            used = stats["num_blocks"] - stats["free_blocks"] if "num_blocks" in stats else 0
-            if name.startswith("prefill"):
-                used = round(stats.get("kv_usage", 0.0) * 1_000_000)  # any use at all is a leak
-            leaked += used + stats.get("leases", 0)
+            # Every worker reports its blocks (cached prefixes count as free: evictable).
+            leaked += stats["num_blocks"] - stats["free_blocks"] + stats.get("leases", 0)
         if leaked == 0 or time.monotonic() > deadline:
             return max(leaked, 0)
         time.sleep(0.5)

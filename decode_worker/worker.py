@@ -45,12 +45,6 @@ class PendingRequest:
     lease_id: str
 
 
-def logprob_dict(lp) -> dict | None:
-    if lp is None:
-        return None
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
-
-
 class EngineWorker:
     """What decode and colocated workers share: an engine on a loop thread, an outbox."""
 
@@ -66,7 +60,7 @@ class EngineWorker:
 
     def _publish(self, result: StepResult) -> None:
         for request_id, token, lp in result.new_tokens:
-            self.outbox.add(request_id, token, logprob_dict(lp))
+            self.outbox.add(request_id, token, None if lp is None else lp.to_dict())
         for output in result.finished:
             self.outbox.finish(output.request_id, output.finish_reason)
 
@@ -94,23 +88,13 @@ class EngineWorker:
 
     def engine_stats(self) -> dict:
         with self.loop.lock:
-            engine = self.engine
-            bm = engine.block_manager
-            waiting_tokens = sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting)
-            return {
-                "name": self.name,
-                "running": len(engine.scheduler.running),
-                "waiting": len(engine.scheduler.waiting),
-                "queued_tokens": waiting_tokens,
-                "num_blocks": bm.num_blocks,
-                "free_blocks": bm.num_free_blocks,
-                "kv_usage": bm.num_used_blocks / bm.num_blocks,
-                "prefix_hit_tokens": bm.prefix_hit_tokens,
-                "preemptions": engine.scheduler.num_preemptions,
-                "steps": self.loop.steps,
-                "max_num_seqs": engine.config.max_num_seqs,
-                "uptime_s": time.time() - self.started_at,
-            }
+            load = self.engine.load()
+        return {
+            "name": self.name,
+            **load,
+            "steps": self.loop.steps,
+            "uptime_s": time.time() - self.started_at,
+        }
 
     def calibrate(self) -> dict:
         """Measure this replica's capacity (briefly holds the engine: call at start-up)."""
@@ -124,18 +108,7 @@ class EngineWorker:
         return capacity
 
     def info(self) -> dict:
-        engine = self.engine
-        return {
-            "name": self.name,
-            "model": self.options.model,
-            "fingerprint": engine.model_config.fingerprint(),
-            "block_size": engine.cache.block_size,
-            "num_blocks": engine.cache.num_blocks,
-            "kv_cache_dtype": str(engine.cache.dtype),
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.model_config.vocab_size,
-            "max_num_seqs": engine.config.max_num_seqs,
-        }
+        return {"name": self.name, "model": self.options.model, **self.engine.describe()}
 
     def shutdown(self) -> None:
         self.loop.stop()

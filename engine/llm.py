@@ -43,9 +43,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
         engine = self.engine
-        # Validate every prompt before any is queued, so a bad one leaves nothing behind.
-        for prompt in prompts:
-            engine.tokenize_prompt(prompt)
+        # add_request validates; a bad prompt aborts those queued before it (nothing left behind).
         order = {}
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             try:

@@ -93,7 +93,9 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this engine could never serve the request."""
-        ids = self.tokenize_prompt(prompt_token_ids)
+        self._check_fits(self.tokenize_prompt(prompt_token_ids), params)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
@@ -116,8 +118,8 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
-        ids = self.tokenize_prompt(prompt)
-        self.validate_request(ids, params)
+        ids = self.tokenize_prompt(prompt)  # token ids checked here, once
+        self._check_fits(ids, params)
         seq = Sequence(prompt_token_ids=ids, params=params, request_id=request_id or "")
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
@@ -125,6 +127,37 @@ class LLMEngine:
         self._prompts[seq.request_id] = prompt if isinstance(prompt, str) else None
         self.scheduler.add(seq)
         return seq
+
+    def describe(self) -> dict:
+        """What a serving worker reports about this engine (fixed for its lifetime)."""
+        return {
+            "fingerprint": self.model_config.fingerprint(),
+            "block_size": self.cache.block_size,
+            "num_blocks": self.cache.num_blocks,
+            "kv_cache_dtype": str(self.cache.dtype),
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.model_config.vocab_size,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
+    def load(self) -> dict:
+        """Its current load: queues, KV blocks, cache hits (callers hold the engine's lock)."""
+        now = time.monotonic()
+        bm = self.block_manager
+        waiting = self.scheduler.waiting
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(waiting),
+            "queued_tokens": sum(s.num_uncomputed_tokens for s in waiting),
+            "oldest_wait_s": max((now - s.arrival_time for s in waiting), default=0.0),
+            "num_blocks": bm.num_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "preemptions": self.scheduler.num_preemptions,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

@@ -32,11 +32,7 @@ class RequestOutput:
         }
         if self.logprobs is not None:
             out["logprobs"] = [
-                {
-                    "token_id": lp.token_id,
-                    "logprob": lp.logprob,
-                    "top": {str(k): v for k, v in lp.top.items()},
-                }
+                {**lp.to_dict(), "top": {str(k): v for k, v in lp.top.items()}}  # JSON: str keys
                 for lp in self.logprobs
             ]
         return out

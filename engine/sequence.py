@@ -22,6 +22,9 @@ class TokenLogprobs:
     logprob: float
     top: dict[int, float]
 
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": self.top}
+
 
 _ids = itertools.count()
 

@@ -71,15 +71,7 @@ class PrefillWorker:
 
     # ---- Ray-facing API ---------------------------------------------------------------
     def info(self) -> dict:
-        engine = self.engine
-        return {
-            "name": self.name,
-            "model": self.options.model,
-            "fingerprint": engine.model_config.fingerprint(),
-            "block_size": engine.cache.block_size,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.model_config.vocab_size,
-        }
+        return {"name": self.name, "model": self.options.model, **self.engine.describe()}
 
     def calibrate(self) -> dict:
         """Measure this replica's prefill throughput (call at start-up, before traffic)."""
@@ -164,27 +156,19 @@ class PrefillWorker:
         return True
 
     def stats(self) -> dict:
-        now = time.monotonic()
         with self.loop.lock:
-            engine = self.engine
-            bm = engine.block_manager
-            return {
-                "name": self.name,
-                "queued_tokens": sum(s.num_uncomputed_tokens for s in engine.scheduler.waiting),
-                "oldest_wait_s": max(
-                    (now - s.arrival_time for s in engine.scheduler.waiting), default=0.0
-                ),
-                "waiting": len(engine.scheduler.waiting),
-                "running": len(self.jobs),
-                "prefix_hit_tokens": bm.prefix_hit_tokens,
-                "prompt_tokens_computed": engine.num_prompt_tokens_computed,
-                "kv_usage": bm.num_used_blocks / bm.num_blocks,
-                "completed": self.completed,
-                "failed": self.failed,
-                "transfer_seconds": self.transfer_seconds,
-                "steps": self.loop.steps,
-                "uptime_s": time.time() - self.started_at,
-            }
+            load = self.engine.load()
+            running = len(self.jobs)  # prompts in flight here, transfer included
+        return {
+            "name": self.name,
+            **load,
+            "running": running,
+            "completed": self.completed,
+            "failed": self.failed,
+            "transfer_seconds": self.transfer_seconds,
+            "steps": self.loop.steps,
+            "uptime_s": time.time() - self.started_at,
+        }
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -248,7 +232,7 @@ class PrefillWorker:
             if job is not None:
                 job.first_token = token
                 if lp is not None:
-                    job.logprob = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                    job.logprob = lp.to_dict()
         for output in result.finished:
             job = self.jobs.pop(output.request_id, None)
             if job is not None:

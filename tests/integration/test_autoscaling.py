@@ -57,17 +57,16 @@ def wait_until(predicate, timeout_s: float) -> bool:
     return False
 
 
-def test_prompt_heavy_step_grows_prefill_then_shrinks(ray_session):
-    running = start(
+def start_scaling_cluster(engine: dict, slo: dict):
+    """Both pools 1..2 replicas, the planner on, admission limits out of the way (these
+    tests are about scaling, not shedding: the backlog builds rather than answer 429)."""
+    pool = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1}
+    return start(
         {
-            "engine": {"num_kv_blocks": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 1024},
-            "pools": {
-                "prefill": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1},
-                "decode": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1},
-            },
-            "slo": {"ttft_ms": 250, "tpot_ms": 500, "percentile": 90},
+            "engine": engine,
+            "pools": {"prefill": pool, "decode": pool},
+            "slo": slo,
             "planner": PLANNER,
-            # About scaling, not shedding: let the backlog build rather than answer 429.
             "router": {
                 "limits": {
                     "max_prefill_queue_tokens": 10**6,
@@ -76,6 +75,13 @@ def test_prompt_heavy_step_grows_prefill_then_shrinks(ray_session):
                 }
             },
         }
+    )
+
+
+def test_prompt_heavy_step_grows_prefill_then_shrinks(ray_session):
+    running = start_scaling_cluster(
+        engine={"num_kv_blocks": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 1024},
+        slo={"ttft_ms": 250, "tpot_ms": 500, "percentile": 90},
     )
     try:
         sizes: list[dict] = []
@@ -108,24 +114,9 @@ def test_prompt_heavy_step_grows_prefill_then_shrinks(ray_session):
 
 
 def test_decode_heavy_step_grows_decode(ray_session):
-    running = start(
-        {
-            "engine": {"num_kv_blocks": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 512},
-            "pools": {
-                "prefill": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1},
-                "decode": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1},
-            },
-            "slo": {"ttft_ms": 5000, "tpot_ms": 500, "percentile": 90},
-            "planner": PLANNER,
-            # About scaling, not shedding: let the backlog build rather than answer 429.
-            "router": {
-                "limits": {
-                    "max_prefill_queue_tokens": 10**6,
-                    "queue_timeout_s": 90.0,
-                    "max_waiting": 1000,
-                }
-            },
-        }
+    running = start_scaling_cluster(
+        engine={"num_kv_blocks": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 512},
+        slo={"ttft_ms": 5000, "tpot_ms": 500, "percentile": 90},
     )
     try:
         sizes: list[dict] = []
