@@ -93,6 +93,7 @@ class EngineWorker:
             "name": self.name,
             **load,
             "steps": self.loop.steps,
+            "busy_s": self.loop.busy_s,
             "uptime_s": time.time() - self.started_at,
         }
 

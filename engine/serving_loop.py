@@ -71,6 +71,7 @@ class ServingLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        self.busy_s = 0.0  # wall time spent in steps (prompt tokens / busy_s = prefill speed)
 
     def start(self) -> None:
         self._thread.start()
@@ -93,7 +94,9 @@ class ServingLoop:
                 if self._stopped:
                     return
                 try:
+                    started = time.perf_counter()
                     result = self.engine.step(self._layer_hook)
+                    self.busy_s += time.perf_counter() - started
                     self.steps += 1
                     self._on_result(result)
                 except Exception as err:  # noqa: BLE001 - reported, and the loop goes on

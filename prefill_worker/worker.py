@@ -167,6 +167,7 @@ class PrefillWorker:
             "failed": self.failed,
             "transfer_seconds": self.transfer_seconds,
             "steps": self.loop.steps,
+            "busy_s": self.loop.busy_s,
             "uptime_s": time.time() - self.started_at,
         }
 
