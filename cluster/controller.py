@@ -90,6 +90,7 @@ class Controller:
             model=config.model,
             router_config=dataclasses.asdict(config.router),
             limits=dataclasses.asdict(config.limits),
+            slo=dataclasses.asdict(config.slo),
             replicas={r.name: r.pool for r in records},
             colocated=config.mode == "colocated",
             namespace=config.namespace,

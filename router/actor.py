@@ -26,15 +26,17 @@ class RouterActor:
         model: str,
         router_config: dict,
         limits: dict,
+        slo: dict | None = None,
         replicas: dict[str, str],
         colocated: bool,
         namespace: str,
     ) -> dict:
         """Connect to the worker actors (``replicas``: actor name → pool), start serving;
-        returns the URLs."""
+        returns the URLs. ``slo``: ``{"ttft_ms", "tpot_ms"}`` for SLO-aware admission."""
         import uvicorn
 
         from engine.checkpoint import open_tokenizer
+        from router.admission import SLOTargets
         from router.config import RouterConfig, RouterLimits
         from router.openai_api import create_app
         from router.ray_backend import RayBackend
@@ -53,6 +55,7 @@ class RouterActor:
             block_size=info["block_size"],
             colocated=colocated,
             limits=RouterLimits(**limits),
+            slo=None if slo is None else SLOTargets(**slo),
         )
         for name, pool in replicas.items():
             self.backend.add_replica(name, pool, handles[name])

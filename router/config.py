@@ -47,7 +47,9 @@ class RouterConfig:
 @dataclass(frozen=True)
 class RouterLimits:
     """Admission limits: past them a request is refused at once (429 with Retry-After)
-    rather than queued without bound."""
+    rather than queued without bound. With ``slo_admission`` (and SLO targets given to the
+    backend) a request is also refused at once when its forecast TTFT misses the target,
+    and a decode replica takes no more requests than keep its TPOT under target."""
 
     # Shallow by default: past these a client hears 429 at once and can retry elsewhere,
     # instead of queueing into latencies no SLO allows.
@@ -59,8 +61,13 @@ class RouterLimits:
     replica_wait_s: float = (
         5.0  # with no replica ready (one being replaced), wait this long before a 503
     )
+    # SLO-aware admission (router/admission.py) against the cluster's ``slo`` targets:
+    # adaptive per-replica decode limits for TPOT, early 429 for a forecast TTFT miss.
+    slo_admission: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.slo_admission, bool):
+            raise ValueError(f"slo_admission must be true or false, got {self.slo_admission!r}")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if self.queue_timeout_s < 0 or self.idle_timeout_s <= 0 or self.replica_wait_s < 0:

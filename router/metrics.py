@@ -14,6 +14,7 @@ Series (the planner in cluster/ reads these names):
 - ``pdcluster_router_requests_in_flight`` (gauge).
 - From ``Backend.stats()`` at scrape time: ``pdcluster_queue_tokens{actor}``,
   ``pdcluster_running_requests{actor}``, ``pdcluster_kv_usage{actor}`` (fraction),
+  ``pdcluster_decode_slot_limit{actor}`` (SLO-aware admission's limit per decode actor),
   ``pdcluster_kv_transfer_bytes_total``, ``pdcluster_kv_transfer_seconds_total``, and any
   other numeric key as ``pdcluster_backend_<key>`` (e.g. ``router_waiting``).
 """
@@ -138,6 +139,11 @@ class _BackendStatsCollector(Collector):
             ("queue_tokens", "pdcluster_queue_tokens", "Prompt tokens queued per actor"),
             ("running", "pdcluster_running_requests", "Requests running per actor"),
             ("kv_usage", "pdcluster_kv_usage", "Fraction of KV cache blocks in use per actor"),
+            (
+                "slot_limit",
+                "pdcluster_decode_slot_limit",
+                "Requests a decode actor may serve at once under SLO-aware admission",
+            ),
         )
         for key, name, doc in per_actor:
             family = GaugeMetricFamily(name, doc, labels=["actor"])

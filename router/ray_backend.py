@@ -16,6 +16,12 @@ tokens. Each attempt uses its own worker-side request id (``id#attempt``), so a 
 from an abandoned attempt can never leak into the stream. After ``max_attempts`` the stream
 ends with a clear error.
 
+With SLO targets, admission is SLO-aware (router/admission.py): each decode replica takes
+requests only up to an adaptive limit that keeps its TPOT under the target, and a new
+request whose forecast TTFT (wait for a slot + the prefill backlog ahead of it) exceeds the
+target is refused at once with 429, before it takes any resource. Retries and migrations of
+admitted requests bypass both: finishing what was admitted comes first.
+
 In colocated mode the same loop serves ``colocated-<i>`` actors, which run both phases.
 """
 
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +42,14 @@ from engine.errors import InvalidRequestError
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from kv_transfer.errors import NoCapacityError
+from router.admission import (
+    DecodeSlotLimit,
+    Forecast,
+    PrefillSpeed,
+    RateMeter,
+    SLOTargets,
+    TTFTForecast,
+)
 from router.backend import (
     Backend,
     GenerateRequest,
@@ -84,7 +99,10 @@ class RayBackend(Backend):
         block_size: int,
         colocated: bool = False,
         limits: RouterLimits | None = None,
+        slo: SLOTargets | None = None,
     ) -> None:
+        """``slo``: the latency targets SLO-aware admission protects; None (or
+        ``limits.slo_admission`` false) admits by the static limits alone."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -105,11 +123,26 @@ class RayBackend(Backend):
         self.migrations_total = 0
         self.waiting = 0
         self._capacity_freed = asyncio.Event()
+        # SLO-aware admission (None: static limits only).
+        self.slo = slo if self.limits.slo_admission else None
+        self.slot_limits: dict[str, DecodeSlotLimit] = {}
+        self.slots_freed = RateMeter()
+        self.prefill_speed = PrefillSpeed()
+        self.ttft_forecast = TTFTForecast(
+            self.slots_freed,
+            self.prefill_speed,
+            percentile=self.slo.percentile if self.slo else 90.0,
+        )
+        self._forecasts: dict[str, float] = {}  # worker request id → its raw TTFT forecast
+        self.prefill_backlog_tokens = 0  # prompt tokens dispatched to prefill, not yet done
+        self.slo_refusals_total = 0
 
     # ---- replicas (the controller adds, drains and removes them) ------------------------
     def add_replica(self, name: str, pool: str, handle: Any) -> None:
         self.replicas.add(name, pool, handle)
         if pool == self.decode_pool:
+            if self.slo is not None:
+                self.slot_limits[name] = DecodeSlotLimit(self.slo.tpot_s)
             old = self._pollers.pop(name, None)
             if old is not None:
                 old.cancel()
@@ -123,6 +156,8 @@ class RayBackend(Backend):
     def remove_replica(self, name: str) -> None:
         """Forget an actor (drained, or dead); requests still on it are retried elsewhere."""
         replica = self.replicas.remove(name)
+        self.slot_limits.pop(name, None)
+        self.prefill_speed.forget(name)
         task = self._pollers.pop(name, None)
         if task is not None:
             task.cancel()
@@ -167,7 +202,7 @@ class RayBackend(Backend):
                     self.limits.queue_timeout_s if attempt > 0 else self.limits.replica_wait_s
                 )
                 attempt += 1
-                deltas = self._run_attempt(sub, worker_rid, served_by)
+                deltas = self._run_attempt(sub, worker_rid, served_by, admitted=attempt > 1)
                 try:
                     async for delta in deltas:
                         if delta.token_ids and first_token_at is None:
@@ -246,16 +281,20 @@ class RayBackend(Backend):
         )
 
     async def _run_attempt(
-        self, request: GenerateRequest, worker_rid: str, served_by: set[str]
+        self, request: GenerateRequest, worker_rid: str, served_by: set[str], admitted: bool
     ) -> AsyncIterator[TokenDelta]:
+        """One attempt; ``admitted``: a retry or migration of an admitted request, which
+        SLO-aware admission does not refuse."""
         queue: asyncio.Queue[dict] = asyncio.Queue()
         self._queues[worker_rid] = queue
         decode: Replica | None = None
         prefill_task: asyncio.Task | None = None
         finished = False
+        last_delivery: float | None = None
         try:
-            decode, reservation = await self._reserve(request, worker_rid)
+            decode, reservation = await self._reserve(request, worker_rid, admitted)
             served_by.add(decode.name)
+            slot_limit = self.slot_limits.get(decode.name)
             if not self.colocated:
                 prefill_task = asyncio.create_task(
                     self._prefill(request, worker_rid, decode, reservation, served_by)
@@ -276,6 +315,13 @@ class RayBackend(Backend):
                     if result and result.get("logprob") is not None and delta["token_ids"]:
                         delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
                 first_delta = False
+                now = time.monotonic()
+                forecast = self._forecasts.pop(worker_rid, None)
+                if forecast is not None and delta["token_ids"]:
+                    self.ttft_forecast.observe(now, forecast, now - request.arrival_time)
+                if slot_limit is not None and last_delivery is not None:
+                    slot_limit.observe(now, now - last_delivery, len(delta["token_ids"]))
+                last_delivery = now
                 out = TokenDelta(
                     token_ids=delta["token_ids"],
                     logprobs=_logprobs(delta["logprobs"]),
@@ -289,8 +335,10 @@ class RayBackend(Backend):
         finally:
             self._queues.pop(worker_rid, None)
             self._owner.pop(worker_rid, None)
+            self._forecasts.pop(worker_rid, None)
             if decode is not None:
                 decode.in_flight -= 1
+                self.slots_freed.add(time.monotonic())
                 self._capacity_freed.set()
                 if not finished and decode.alive:
                     decode.handle.cancel.remote(worker_rid)
@@ -319,14 +367,20 @@ class RayBackend(Backend):
             "router_waiting": self.waiting,
             "retries_total": self.retries_total,
             "migrations_total": self.migrations_total,
+            "slot_limit": {name: limit.limit for name, limit in self.slot_limits.items()},
+            "slo_refusals_total": self.slo_refusals_total,
+            "prefill_backlog_tokens": self.prefill_backlog_tokens,
         }
 
     def replica_stats(self) -> dict[str, dict]:
         return self.replicas.summary()
 
     # ---- admission and dispatch -----------------------------------------------------------
-    async def _reserve(self, request: GenerateRequest, worker_rid: str) -> tuple[Replica, dict]:
+    async def _reserve(
+        self, request: GenerateRequest, worker_rid: str, admitted: bool
+    ) -> tuple[Replica, dict]:
         limits = self.limits
+        slo = None if admitted else self.slo
         if not self.replicas.decode_candidates(self.decode_pool, set()):
             raise NoReplica(f"no {self.decode_pool} replica is ready")
         if not self.colocated:
@@ -344,16 +398,21 @@ class RayBackend(Backend):
             raise Overloaded(
                 f"{self.waiting} requests are already waiting for KV capacity", retry_after_s=1.0
             )
+        if slo is not None:
+            forecast = self._refuse_if_ttft_forecast_misses(request, slo)
+            if forecast.informed:  # its error is worth learning from
+                self._forecasts[worker_rid] = forecast.slot_wait_s + forecast.prefill_s
         deadline = time.monotonic() + limits.queue_timeout_s
         self.waiting += 1
         try:
             while True:
-                reserved = await self._try_reserve(request, worker_rid)
+                reserved = await self._try_reserve(request, worker_rid, slo is not None)
                 if reserved is not None:
                     return reserved
                 if time.monotonic() > deadline:
                     raise Overloaded(
-                        f"no {self.decode_pool} replica had KV capacity within {limits.queue_timeout_s:.0f}s",
+                        f"no {self.decode_pool} replica had capacity within "
+                        f"{limits.queue_timeout_s:.0f}s",
                         retry_after_s=1.0,
                     )
                 # Wait for a request to finish somewhere (or re-check shortly).
@@ -363,13 +422,47 @@ class RayBackend(Backend):
         finally:
             self.waiting -= 1
 
+    def _has_free_slot(self, replica: Replica) -> bool:
+        limit = self.slot_limits.get(replica.name)
+        return limit is None or replica.in_flight < limit.limit
+
+    def _refuse_if_ttft_forecast_misses(
+        self, request: GenerateRequest, slo: SLOTargets
+    ) -> Forecast:
+        """Early rejection: 429 now for a request that would miss its TTFT target."""
+        candidates = self.replicas.decode_candidates(self.decode_pool, set())
+        forecast = self.ttft_forecast.forecast(
+            time.monotonic(),
+            # Behind requests already waiting, a free slot is theirs first.
+            slot_free=self.waiting == 0 and any(self._has_free_slot(r) for r in candidates),
+            waiting=self.waiting,
+            prefill_backlog_tokens=self.prefill_backlog_tokens,
+            prompt_tokens=len(request.prompt_token_ids),
+            prefill_replicas=[]
+            if self.colocated
+            else [r.name for r in self.replicas.pool("prefill")],
+        )
+        if forecast.ttft_s > slo.ttft_s:
+            self.slo_refusals_total += 1
+            raise Overloaded(
+                f"forecast time to first token {forecast.ttft_s * 1000:.0f} ms "
+                f"(waiting for decode {forecast.slot_wait_s * 1000:.0f} ms, prefill "
+                f"{forecast.prefill_s * 1000:.0f} ms, recent forecast error "
+                f"{forecast.error_s * 1000:.0f} ms) exceeds the {slo.ttft_ms:.0f} ms target",
+                retry_after_s=max(1.0, math.ceil(forecast.ttft_s - slo.ttft_s)),
+            )
+        return forecast
+
     async def _try_reserve(
-        self, request: GenerateRequest, worker_rid: str
+        self, request: GenerateRequest, worker_rid: str, within_slots: bool
     ) -> tuple[Replica, dict] | None:
-        """Reserve on the first replica with capacity; None if all are full right now."""
+        """Reserve on the first replica with capacity (and, ``within_slots``, under its
+        SLO slot limit); None if all are full right now."""
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
         if not candidates:
             raise NoReplica(f"no {self.decode_pool} replica is ready")
+        if within_slots:
+            candidates = [r for r in candidates if self._has_free_slot(r)]
         for replica in candidates:
             try:
                 if self.colocated:
@@ -411,6 +504,8 @@ class RayBackend(Backend):
             return None
         served_by.add(replica.name)
         replica.in_flight += 1
+        backlog = len(request.prompt_token_ids)
+        self.prefill_backlog_tokens += backlog
         try:
             result = await replica.handle.prefill.remote(
                 worker_rid,
@@ -431,6 +526,7 @@ class RayBackend(Backend):
             return None
         finally:
             replica.in_flight -= 1
+            self.prefill_backlog_tokens -= backlog
         transfer = result.get("transfer") or {}
         self.transfer_bytes_total += int(transfer.get("payload_bytes", 0) or 0)
         self.transfer_seconds_total += float(transfer.get("seconds", 0.0) or 0.0)
@@ -483,3 +579,17 @@ class RayBackend(Backend):
             else:
                 replica.stats = {**result, "refreshed_at": now}
                 replica.alive = True
+                self._update_admission(replica)
+
+    def _update_admission(self, replica: Replica) -> None:
+        """Feed a replica's fresh stats to SLO-aware admission."""
+        if self.slo is None:
+            return
+        stats = replica.stats
+        if replica.pool == "prefill" and "busy_s" in stats:
+            self.prefill_speed.update(
+                replica.name, stats.get("prompt_tokens_computed", 0), stats["busy_s"]
+            )
+        limit = self.slot_limits.get(replica.name)
+        if limit is not None:
+            limit.update(time.monotonic(), replica.in_flight)

@@ -58,8 +58,9 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 
 def start_scaling_cluster(engine: dict, slo: dict):
-    """Both pools 1..2 replicas, the planner on, admission limits out of the way (these
-    tests are about scaling, not shedding: the backlog builds rather than answer 429)."""
+    """Both pools 1..2 replicas, the planner on, admission limits and SLO-aware shedding out
+    of the way (these tests are about scaling, not shedding: the backlog builds rather than
+    answer 429)."""
     pool = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1}
     return start(
         {
@@ -72,6 +73,7 @@ def start_scaling_cluster(engine: dict, slo: dict):
                     "max_prefill_queue_tokens": 10**6,
                     "queue_timeout_s": 90.0,
                     "max_waiting": 1000,
+                    "slo_admission": False,
                 }
             },
         }

@@ -1,0 +1,254 @@
+"""SLO-aware admission: the router admits only what the cluster can serve within its latency
+targets, and refuses the rest at once (429 with Retry-After) instead of letting every
+request's latency grow without bound.
+
+Two controls, both fed by what the router itself observes:
+
+- :class:`DecodeSlotLimit`, one per decode (or colocated) replica: how many requests it may
+  serve at once while the inter-token time its streams see stays under the TPOT target.
+  The limit grows while it binds and TPOT has headroom, and is cut in proportion when TPOT
+  passes the target. It adapts to whatever makes a step slow — batch size, context length,
+  a prefill sharing the cores — without a model of any of them.
+- :class:`TTFTForecast`: a new request's time to first token, forecast as the wait for a
+  decode slot (requests waiting ahead / the rate slots free up) plus the prefill backlog
+  in front of it (prompt tokens dispatched and not yet prefilled / the prefill pool's
+  measured speed). A request whose forecast exceeds the TTFT target is refused before it
+  takes any resource.
+
+Everything here is pure bookkeeping on the router's event loop (no I/O, no locks); the
+clock is passed in so tests can drive it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SLOTargets:
+    """The latency targets admission protects (the cluster config's ``slo``)."""
+
+    ttft_ms: float
+    tpot_ms: float
+    percentile: float = 90.0  # the SLO holds at this percentile of requests
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(f"SLO targets must be positive, got {self.ttft_ms}, {self.tpot_ms}")
+        if not 0 < self.percentile < 100:
+            raise ValueError(f"percentile must be in (0, 100), got {self.percentile}")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.ttft_ms / 1000.0
+
+    @property
+    def tpot_s(self) -> float:
+        return self.tpot_ms / 1000.0
+
+
+# The slot limit keeps the observed mean inter-token time below HEADROOM x target, so that
+# the slower requests of a window (the SLO is a percentile) still meet the target.
+HEADROOM = 0.8
+GROW_BELOW = 0.6  # grow the limit only while TPOT is under this fraction of the target
+MIN_TOKENS = 8  # tokens a window needs before it can move the limit
+
+
+class DecodeSlotLimit:
+    """How many requests one replica may serve at once with TPOT under the target.
+
+    Contract: call :meth:`observe` for every delivery of tokens to a stream after its
+    first (``gap_s`` = time since that stream's previous delivery, ``tokens`` = how many
+    arrived), and :meth:`update` periodically with the replica's requests in flight. The
+    replica takes a new request only while ``in_flight < limit``. The limit starts at
+    ``max_limit`` (no limit in practice: admission never refuses on a guess) and is first
+    cut when TPOT is seen to pass the target.
+
+    Each update judges the window of deliveries since the last update that moved the limit
+    (or the last ``window_s``): mean inter-token time ``m`` against target ``t``:
+
+    - ``m > HEADROOM·t``: cut to ``in_use · HEADROOM·t / m`` (step time grows at most
+      linearly with the batch, so this lands at or under the target), at least 1; the
+      window restarts, so one slow stretch is acted on once.
+    - ``m < GROW_BELOW·t`` while the limit binds (``in_flight >= limit - 1``): grow by a
+      quarter (at least 1), at most ``max_limit``.
+    """
+
+    def __init__(
+        self,
+        tpot_target_s: float,
+        *,
+        initial: int | None = None,
+        max_limit: int = 1024,
+        window_s: float = 2.0,
+    ) -> None:
+        initial = max_limit if initial is None else initial
+        if tpot_target_s <= 0 or initial < 1 or max_limit < 1 or window_s <= 0:
+            raise ValueError("DecodeSlotLimit needs a positive target, initial, max and window")
+        self.tpot_target_s = tpot_target_s
+        self.max_limit = max_limit
+        self.limit = min(initial, max_limit)
+        self.window_s = window_s
+        self._gaps: deque[tuple[float, float, int]] = deque()  # (at, seconds, tokens)
+        self.cuts = 0
+        self.grows = 0
+
+    def observe(self, now: float, gap_s: float, tokens: int) -> None:
+        if tokens > 0 and gap_s >= 0:
+            self._gaps.append((now, gap_s, tokens))
+
+    def mean_tpot_s(self, now: float) -> float | None:
+        """Mean inter-token time of the current window; None with too few tokens."""
+        while self._gaps and self._gaps[0][0] < now - self.window_s:
+            self._gaps.popleft()
+        tokens = sum(n for _, _, n in self._gaps)
+        if tokens < MIN_TOKENS:
+            return None
+        return sum(gap for _, gap, _ in self._gaps) / tokens
+
+    def update(self, now: float, in_flight: int) -> None:
+        mean = self.mean_tpot_s(now)
+        if mean is None:
+            return
+        target = self.tpot_target_s
+        if mean > HEADROOM * target:
+            in_use = max(1, min(self.limit, in_flight))
+            self.limit = max(
+                1, min(in_use - 1, math.floor(in_use * HEADROOM * target / mean + 1e-9))
+            )
+            self._gaps.clear()
+            self.cuts += 1
+        elif mean < GROW_BELOW * target and in_flight >= self.limit - 1:
+            self.limit = min(self.max_limit, self.limit + max(1, self.limit // 4))
+            self.grows += 1
+
+
+class RateMeter:
+    """Events per second over a sliding window (slots freed, prompt tokens prefilled)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, amount: float = 1.0) -> None:
+        self._events.append((now, amount))
+
+    def rate(self, now: float) -> float:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+        return sum(a for _, a in self._events) / self.window_s
+
+
+class PrefillSpeed:
+    """The prefill pool's speed in prompt tokens per busy second, from the workers'
+    cumulative counters (``prompt_tokens_computed``, ``busy_s``), smoothed."""
+
+    def __init__(self, smoothing: float = 0.3, min_busy_s: float = 0.05) -> None:
+        self.smoothing = smoothing
+        self.min_busy_s = min_busy_s
+        self._last: dict[str, tuple[float, float]] = {}  # replica → (tokens, busy_s)
+        self.tokens_per_s: dict[str, float] = {}
+
+    def update(self, replica: str, tokens: float, busy_s: float) -> None:
+        last = self._last.get(replica)
+        if last is None or tokens < last[0] or busy_s < last[1]:  # new or restarted
+            self._last[replica] = (tokens, busy_s)
+            return
+        d_tokens, d_busy = tokens - last[0], busy_s - last[1]
+        if d_busy < self.min_busy_s or d_tokens <= 0:
+            return  # too little work since the last sample to measure
+        self._last[replica] = (tokens, busy_s)
+        speed = d_tokens / d_busy
+        old = self.tokens_per_s.get(replica)
+        self.tokens_per_s[replica] = speed if old is None else old + self.smoothing * (speed - old)
+
+    def forget(self, replica: str) -> None:
+        self._last.pop(replica, None)
+        self.tokens_per_s.pop(replica, None)
+
+    def pool_tokens_per_s(self, replicas: list[str]) -> float | None:
+        speeds = [self.tokens_per_s[r] for r in replicas if r in self.tokens_per_s]
+        return sum(speeds) if speeds else None
+
+
+@dataclass(frozen=True)
+class Forecast:
+    slot_wait_s: float
+    prefill_s: float
+    error_s: float = 0.0  # what the forecast has recently missed by (at the percentile)
+    informed: bool = True  # False while a speed it needs is still unmeasured
+
+    @property
+    def ttft_s(self) -> float:
+        return max(0.0, self.slot_wait_s + self.prefill_s + self.error_s)
+
+
+class TTFTForecast:
+    """Forecasts a new request's TTFT from the router's queues and measured speeds.
+
+    ``slot_wait_s``: 0 when a decode replica has a free slot; otherwise the requests waiting
+    ahead (plus this one) over the rate slots freed recently. ``prefill_s``: the prompt
+    tokens dispatched to prefill and not yet done, plus this prompt, over the pool's speed.
+    Unknown speeds (nothing measured yet) forecast 0: admission never refuses on a guess.
+
+    ``error_s`` corrects for what the terms leave out — the KV transfer, decode admission,
+    token polling, CPU contention: the ``percentile`` of (measured − forecast TTFT) over the
+    requests admitted in the last ``window_s`` (:meth:`observe`; only informed forecasts),
+    once there are ``min_samples`` of them. The SLO is a percentile, so the forecast is one
+    too: a request is admitted when the ``percentile`` of TTFTs like its own would meet the
+    target. The window is short on purpose: while everything is refused no new errors
+    arrive, so an old bad stretch must age out quickly.
+    """
+
+    def __init__(
+        self,
+        slots_freed: RateMeter,
+        prefill_speed: PrefillSpeed,
+        *,
+        percentile: float = 90.0,
+        window_s: float = 10.0,
+        min_samples: int = 10,
+    ) -> None:
+        self.slots_freed = slots_freed
+        self.prefill_speed = prefill_speed
+        self.percentile = percentile
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self._errors: deque[tuple[float, float]] = deque()  # (at, measured − forecast)
+
+    def observe(self, now: float, forecast_s: float, measured_s: float) -> None:
+        """An admitted request's first token came ``measured_s`` after its arrival; it was
+        forecast (without the error term) at ``forecast_s``."""
+        self._errors.append((now, measured_s - forecast_s))
+
+    def error_s(self, now: float) -> float:
+        while self._errors and self._errors[0][0] < now - self.window_s:
+            self._errors.popleft()
+        if len(self._errors) < self.min_samples:
+            return 0.0
+        ordered = sorted(e for _, e in self._errors)
+        rank = max(0, math.ceil(self.percentile / 100.0 * len(ordered)) - 1)
+        return ordered[rank]
+
+    def forecast(
+        self,
+        now: float,
+        *,
+        slot_free: bool,
+        waiting: int,
+        prefill_backlog_tokens: int,
+        prompt_tokens: int,
+        prefill_replicas: list[str],
+    ) -> Forecast:
+        slot_wait = 0.0
+        if not slot_free:
+            freed_per_s = self.slots_freed.rate(now)
+            slot_wait = (waiting + 1) / freed_per_s if freed_per_s > 0 else 0.0
+        prefill = 0.0
+        speed = self.prefill_speed.pool_tokens_per_s(prefill_replicas)
+        if speed:
+            prefill = (prefill_backlog_tokens + prompt_tokens) / speed
+        informed = bool(speed) or not prefill_replicas
+        return Forecast(slot_wait, prefill, self.error_s(now), informed)
