@@ -125,6 +125,13 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)"
     )
+    p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (default 2000)")
+    p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (default 200)")
+    p.add_argument(
+        "--no-slo-admission",
+        action="store_true",
+        help="admit by the static queue limits only, not by the SLO targets",
+    )
     p.set_defaults(func=_run_serve)
 
 
@@ -162,6 +169,11 @@ def serve_config(args) -> ClusterConfig:
         data["kv"]["wire_dtype"] = args.kv_wire_dtype
     if args.kv_cache_dtype:
         data["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
+    for flag, key in (("slo_ttft_ms", "ttft_ms"), ("slo_tpot_ms", "tpot_ms")):
+        if getattr(args, flag) is not None:
+            data.setdefault("slo", {})[key] = getattr(args, flag)
+    if args.no_slo_admission:
+        data["router"].setdefault("limits", {})["slo_admission"] = False
     return ClusterConfig.from_dict(data)
 
 

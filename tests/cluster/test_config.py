@@ -33,6 +33,7 @@ def test_example_configs_load():
         ({"kv": {"wire_dtype": "int4"}}, r"kv: .*wire_dtype"),
         ({"router": {"port": 70000}}, r"router: port"),
         ({"engine": {"block_size": 12}}, "block_size"),
+        ({"router": {"limits": {"slo_admission": "yes"}}}, r"router.limits: slo_admission"),
     ],
 )
 def test_invalid_configs_name_the_key(data, message):
@@ -47,3 +48,18 @@ def test_bad_yaml(tmp_path):
         ClusterConfig.from_yaml(path)
     with pytest.raises(ConfigError, match="cannot read"):
         ClusterConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_serve_flags_set_slo_targets_and_admission(tmp_path):
+    from cluster.cli import build_parser, serve_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("slo: {percentile: 95}\nrouter: {limits: {max_waiting: 8}}\n")
+    args = build_parser().parse_args(
+        ["serve", "--config", str(path), "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]
+    )
+    config = serve_config(args)
+    assert (config.slo.ttft_ms, config.slo.tpot_ms, config.slo.percentile) == (500, 50, 95)
+    assert config.limits.slo_admission and config.limits.max_waiting == 8
+    args = build_parser().parse_args(["serve", "--no-slo-admission"])
+    assert serve_config(args).limits.slo_admission is False
