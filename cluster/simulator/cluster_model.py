@@ -21,6 +21,12 @@ with the fewest queued tokens and reservations to the decode replica with the mo
 seats. Prefix affinity is not modelled (random prompts share no prefix). Past
 ``route_choices`` replicas it compares that many sampled at random (power of d choices),
 which keeps the cost per request constant on a 1,000-GPU cluster.
+
+The **serving path** (``SimConfig.serving``, :mod:`cluster.simulator.serving`): a fixed
+delay from a prompt's prefill end to its first token (and to its decode join), served
+step times as multiples of the engine's, and, where the pools share a host's CPU cores,
+every engine step slowed by processor sharing with the router and the load generator.
+The default adds nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 from cluster.config import PlannerConfig, PoolConfig, SLOConfig
 from cluster.planner import PoolCapacity
 from cluster.simulator.cost_model import CostModel
+from cluster.simulator.serving import NO_OVERHEADS, ServingOverheads
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class SimConfig:
     startup_s: float = 60.0  # from the planner's decision to a ready replica (load weights)
     route_choices: int = 8
     seed: int = 0
+    serving: ServingOverheads = NO_OVERHEADS  # the served path's costs beyond the engine
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -100,6 +108,7 @@ class Replica:
         "S",
         "t_last",
         "step_s",
+        "base_step_s",
         "version",
         "paused",
     )
@@ -123,7 +132,8 @@ class Replica:
         self.ctx = 0.0  # Σ mean context of running sequences
         self.S = 0.0
         self.t_last = 0.0
-        self.step_s = 0.0
+        self.step_s = 0.0  # current decode step: base_step_s x the host's CPU slowdown
+        self.base_step_s = 0.0  # the served step with the CPU to itself
         self.version = 0
         self.paused = False
 

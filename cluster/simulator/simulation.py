@@ -17,6 +17,7 @@ import numpy as np
 
 from cluster.planner import Decision, Observation, Planner, ReplicaState
 from cluster.simulator.cluster_model import Replica, SimConfig
+from cluster.simulator.serving import cpu_slowdown
 from cluster.simulator.workload import Workload
 
 PREFILL_DONE, DECODE_JOIN, DECODE_NEXT, READY, TICK = range(5)
@@ -99,6 +100,7 @@ class Simulation:
         self.routable: dict[str, list[Replica]] = {p: [] for p in config.pools}
         self.waiting: list[int] = []  # router queue for decode seats (FIFO via index)
         self.wait_head = 0
+        self.slowdown = 1.0  # the host's CPU contention (serving.cpu_slowdown); 1 unless shared
         self.gpu_seconds = 0.0
         self.gpus = 0
         self.gpu_t = 0.0
@@ -328,24 +330,28 @@ class Simulation:
             p.advance(self.t)
             p.paused = True
             p.version += 1
-        self._push(self.t + self.c.cost.prefill_time(tokens, sq, len(batch)), PREFILL_DONE, p, 0)
+        self._update_host()  # one more busy loop
+        # The batch keeps the slowdown it started with (changes while it runs are not seen).
+        seconds = self.c.cost.prefill_time(tokens, sq, len(batch)) * self.c.serving.prefill_factor
+        self._push(self.t + seconds * self.slowdown, PREFILL_DONE, p, 0)
 
     def _prefill_done(self, p: Replica) -> None:
         t = self.t
         cold = p.age(t) < self.c.planner.warmup_s
-        cost = self.c.cost
+        cost, request_s = self.c.cost, self.c.serving.request_s
         batch = p.batch  # stays set until the loop ends: no nested batch starts meanwhile
         for rid, d in batch:
-            self.first[rid] = t
+            self.first[rid] = t + request_s
             if cold:
                 self.cold[rid] |= 1
-            self.win["ttft"].append((t - self.arr[rid], rid))
+            self.win["ttft"].append((t + request_s - self.arr[rid], rid))
             if p.pool == "colocated":
                 self._join(d, rid, now=True)
             else:
-                self._push(t + cost.transfer_time(self.inp[rid]), DECODE_JOIN, d, rid)
+                self._push(t + cost.transfer_time(self.inp[rid]) + request_s, DECODE_JOIN, d, rid)
         p.batch = []
         p.batch_tokens = 0
+        self._update_host()
         if p.pool == "colocated":
             p.paused = False
             p.t_last = t
@@ -370,9 +376,43 @@ class Simulation:
     def _reschedule(self, d: Replica) -> None:
         d.version += 1
         if not d.heap or d.paused:
+            d.base_step_s = 0.0
+            self._update_host()
             return
-        d.step_s = self.c.cost.decode_step_time(len(d.heap), d.ctx)
+        d.base_step_s = self.c.cost.decode_step_time(len(d.heap), d.ctx)
+        d.base_step_s *= self.c.serving.decode_factor
+        if not self._update_host():  # else every decode clock was rescheduled already
+            self._schedule_next(d)
+
+    def _schedule_next(self, d: Replica) -> None:
+        d.step_s = d.base_step_s * self.slowdown
         self._push(self.t + max(d.heap[0][0] - d.S, 0.0) * d.step_s, DECODE_NEXT, d, d.version)
+
+    def _update_host(self) -> bool:
+        """Where the pools share CPU cores: recompute the slowdown from the busy loops and
+        the decode token rate; if it changed, move every decode clock to now and reschedule
+        it at the new speed. Returns True when it rescheduled."""
+        serving = self.c.serving
+        if not serving.shares_cpu:
+            return False
+        busy, rate = 0, 0.0
+        for r in self.replicas:
+            if r.removed:
+                continue
+            decoding = bool(r.heap) and not r.paused and r.base_step_s > 0
+            busy += bool(r.batch) or decoding
+            if decoding:
+                rate += len(r.heap) / r.base_step_s
+        slowdown = cpu_slowdown(serving, busy, rate)
+        if slowdown == self.slowdown:
+            return False
+        self.slowdown = slowdown
+        for r in self.replicas:
+            if r.heap and not r.paused and r.base_step_s > 0 and not r.removed:
+                r.advance(self.t)
+                r.version += 1
+                self._schedule_next(r)
+        return True
 
     def _decode_next(self, d: Replica) -> None:
         d.advance(self.t)
