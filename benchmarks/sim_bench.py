@@ -4,9 +4,16 @@
     python -m benchmarks.sim_bench scale                    # 1,000 GPUs, 1 hour: wall time
     python -m benchmarks.sim_bench burst                    # planner: steady load, 3x burst
     python -m benchmarks.sim_bench opt13b                   # DistServe's chatbot setting
-    python -m benchmarks.sim_bench cpu-serve --serve-json F --calibration C
+    python -m benchmarks.sim_bench calibrate-serve --serve-json LOW.json --probe PREFIX \
+        --out benchmarks/sim_serving_cpu_tiny.json
+        # fit the serving overheads (cluster/simulator/serving.py) to a low-load run made by
+        # benchmarks/serve_calibration_run.sh (PREFIX: its snapshots, benchmarks/out/serve_TAG)
+    python -m benchmarks.sim_bench cpu-serve --serve-json F [--serving S] [--probe PREFIX]
         # replay a `pdcluster bench serve --json-out F` run (its exact arrivals and lengths)
-        # through the simulator calibrated on this CPU; TTFT/TPOT percentiles side by side
+        # through the simulator calibrated on this CPU; TTFT/TPOT percentiles side by side;
+        # with --probe, again with the CPU other jobs took during that run added
+    python -m benchmarks.sim_bench trim-serve --serve-json F --out G
+        # the fields a replay needs, small enough to commit (benchmarks/serve_runs/)
 
 Calibration files hold ``{"prefill": [[prompts, len, s], ...], "decode": [[batch, ctx, s], ...]}``
 (:class:`cluster.simulator.cost_model.Measurements`).
@@ -16,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +43,19 @@ from cluster.simulator.cost_model import (
 from cluster.simulator.hardware import hardware
 from cluster.simulator.report import recovery_time
 from cluster.simulator.search import PlanSpec, plan
+from cluster.simulator.serving import NO_OVERHEADS, ServingOverheads
+from cluster.simulator.serving_fit import (
+    ServeProbe,
+    ServeRun,
+    fit_serving,
+    foreign_load,
+    replay,
+)
 from cluster.simulator.simulation import simulate
-from cluster.simulator.workload import Workload, burst_rate, poisson, rate_pattern
+from cluster.simulator.workload import burst_rate, poisson, rate_pattern
 
 CPU_CALIBRATION = Path(__file__).with_name("sim_calibration_cpu_tiny.json")
+CPU_SERVING = Path(__file__).with_name("sim_serving_cpu_tiny.json")
 
 
 def measure_cpu(out: str) -> int:
@@ -94,34 +112,125 @@ def cpu_cost_model(calibration: str | Path = CPU_CALIBRATION) -> CostModel:
     return calibrate(base, measured)
 
 
-def cpu_serve(serve_json: str, calibration: str) -> int:
-    """Replay a measured `pdcluster bench serve` run on local-cpu.yaml's layout (1 prefill +
-    1 decode actor, 1,024 x 16 KV tokens, 64 seqs, 2,048-token prefill budget)."""
-    run = json.loads(Path(serve_json).read_text())
-    reqs = sorted((r for r in run["requests"] if r.get("input_len")), key=lambda r: r["start_s"])
-    workload = Workload(
-        np.array([r["start_s"] for r in reqs]),
-        np.array([r["input_len"] for r in reqs]),
-        np.array([r["output_len"] for r in reqs]),
+def served_config(calibration: str | Path = CPU_CALIBRATION, serving=NO_OVERHEADS) -> SimConfig:
+    """`pdcluster serve`'s default layout on this CPU: 1 prefill + 1 decode actor, 64 seqs,
+    a 2,048-token prefill budget, 16,384 blocks of 16 tokens of KV per actor."""
+    return SimConfig(
+        cpu_cost_model(calibration),
+        max_batched_tokens=2048,
+        max_num_seqs=64,
+        kv_tokens=16384 * 16,
+        serving=serving,
     )
-    config = SimConfig(
-        cpu_cost_model(calibration), max_batched_tokens=2048, max_num_seqs=64, kv_tokens=1024 * 16
+
+
+def load_run(serve_json: str | Path) -> ServeRun:
+    return ServeRun.from_bench_json(json.loads(Path(serve_json).read_text()))
+
+
+def calibrate_serve(serve_json: str, probe: str | None, calibration: str, out: str) -> int:
+    """Fit the serving overheads to a low-load run (and its probe snapshots, if given)."""
+    run = load_run(serve_json)
+    probe_data = None
+    if probe:
+        snap = {
+            k: json.loads(Path(f"{probe}.{k}.json").read_text())
+            for k in ("idle", "before", "after")
+        }
+        client = _client_cpu_s(probe)
+        tokens = int(sum(run.workload.output_len))
+        probe_data = ServeProbe.from_snapshots(
+            snap["idle"], snap["before"], snap["after"], client, tokens, os.cpu_count() or 1
+        )
+        print(f"probe: {probe_data}")
+    overheads = fit_serving(served_config(calibration), run, probe_data)
+    overheads.to_json(
+        out,
+        fitted_on=f"{Path(serve_json).name} ({run.rate:g} req/s, {len(run.workload)} requests)",
+        command=f"python -m benchmarks.sim_bench calibrate-serve --serve-json {serve_json}"
+        + (f" --probe {probe}" if probe else "")
+        + f" --out {out}",
     )
-    sim = simulate(config, workload)
-    measured = run["summary"]
+    print(f"fitted: {overheads.describe()}")
+    print(f"wrote {out}")
+    return compare(run, served_config(calibration, overheads))
+
+
+def _client_cpu_s(probe: str, with_startup: bool = False) -> float:
+    """The load generator's CPU seconds (`/usr/bin/time` user + system), less its start-up
+    (imports, measured by the same tool on `bench serve --help`) unless ``with_startup``."""
+
+    def cpu(path: str) -> float:
+        user, system, *_ = Path(path).read_text().split()
+        return float(user) + float(system)
+
+    total = cpu(f"{probe}.bench_cpu")
+    startup = Path(f"{probe}.client_startup_cpu")
+    if with_startup or not startup.exists():
+        return total
+    return max(total - cpu(str(startup)), 0.0)
+
+
+def cpu_serve(serve_json: str, calibration: str, serving: str | None, probe: str | None) -> int:
+    """Replay a measured `pdcluster bench serve` run on `pdcluster serve`'s layout with the
+    serving overheads of ``serving`` (None: the bare engine's cost model alone). With
+    ``probe`` (the run's snapshots), replay it also with the cores other jobs used during
+    the run added to the background."""
+    overheads = ServingOverheads.from_json(serving) if serving else NO_OVERHEADS
+    run = load_run(serve_json)
+    compare(run, served_config(calibration, overheads))
+    if probe and overheads.shares_cpu:
+        before, after = (
+            json.loads(Path(f"{probe}.{k}.json").read_text()) for k in ("before", "after")
+        )
+        foreign = foreign_load(before, after, _client_cpu_s(probe, with_startup=True))
+        if foreign is None:
+            print("(the probe did not record the machine's CPU: no foreign load)")
+            return 0
+        print(f"\nwith the {foreign:.2f} cores other jobs used during the run:")
+        more = replace(overheads, background_cpu_s=overheads.background_cpu_s + foreign)
+        compare(run, served_config(calibration, more))
+    return 0
+
+
+def compare(run: ServeRun, config: SimConfig) -> int:
+    """Print measured vs simulated TTFT/TPOT p50/p90 and the worst error."""
+    sim = replay(config, run)
+    w = run.workload
     print(
-        f"{len(workload)} requests at {run['config']['rate']} req/s, input {run['config']['input_len']}, output {run['config']['output_len']}"
+        f"{len(w)} requests at {run.rate:g} req/s, input mean {w.input_len.mean():.0f}, "
+        f"output mean {w.output_len.mean():.0f}; serving: {config.serving.describe()}"
     )
     print(f"{'':10}{'measured':>10}{'simulated':>10}{'error':>8}")
     worst = 0.0
     for which in ("ttft", "tpot"):
         for p in (50, 90):
-            real = measured[f"{which}_ms"][f"p{p}"]
+            real = run.percentile(which, p) * 1e3
             simulated = sim.percentile(which, p) * 1e3
             err = simulated / real - 1
             worst = max(worst, abs(err))
             print(f"{which} p{p:<5}{real:>10.1f}{simulated:>10.1f}{err:>+8.0%}")
     print(f"worst error {worst:.0%} ({'within' if worst <= 0.25 else 'OUTSIDE'} 25%)")
+    return 0
+
+
+def trim_serve(serve_json: str, out: str) -> int:
+    """Keep what a replay needs of a `bench serve --json-out` file: config, summary, and per
+    request its start, lengths, outcome, TTFT and TPOT (rounded to 0.1 ms)."""
+    data = json.loads(Path(serve_json).read_text())
+    keep = ("input_len", "output_len", "num_tokens", "ok")
+    requests = [
+        {
+            **{k: r[k] for k in keep},
+            **{
+                k: None if r[k] is None else round(r[k], 5) for k in ("start_s", "ttft_s", "tpot_s")
+            },
+        }
+        for r in data["requests"]
+    ]
+    trimmed = {"config": data["config"], "summary": data["summary"], "requests": requests}
+    Path(out).write_text(json.dumps(trimmed, separators=(",", ":")) + "\n")
+    print(f"wrote {out} ({len(requests)} requests)")
     return 0
 
 
@@ -220,13 +329,27 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cpu-serve")
     c.add_argument("--serve-json", required=True)
     c.add_argument("--calibration", default=str(CPU_CALIBRATION))
+    c.add_argument("--serving", default=None, help="serving overheads JSON (default: none)")
+    c.add_argument("--probe", default=None, help="benchmarks/out/serve_TAG: its snapshots")
+    f = sub.add_parser("calibrate-serve")
+    f.add_argument("--serve-json", required=True, help="a LOW-load run (rate 1-2)")
+    f.add_argument("--probe", default=None, help="benchmarks/out/serve_TAG: its snapshots")
+    f.add_argument("--calibration", default=str(CPU_CALIBRATION))
+    f.add_argument("--out", default=str(CPU_SERVING))
+    t = sub.add_parser("trim-serve")
+    t.add_argument("--serve-json", required=True)
+    t.add_argument("--out", required=True)
     for name in ("scale", "burst", "opt13b"):
         sub.add_parser(name)
     args = parser.parse_args(argv)
     if args.cmd == "measure-cpu":
         return measure_cpu(args.out)
     if args.cmd == "cpu-serve":
-        return cpu_serve(args.serve_json, args.calibration)
+        return cpu_serve(args.serve_json, args.calibration, args.serving, args.probe)
+    if args.cmd == "calibrate-serve":
+        return calibrate_serve(args.serve_json, args.probe, args.calibration, args.out)
+    if args.cmd == "trim-serve":
+        return trim_serve(args.serve_json, args.out)
     return {"scale": scale, "burst": burst, "opt13b": opt13b}[args.cmd]()
 
 

@@ -63,6 +63,18 @@ class ServingOverheads:
     def shares_cpu(self) -> bool:
         return self.cores > 0
 
+    def describe(self) -> str:
+        text = (
+            f"request +{self.request_s * 1e3:.1f} ms, prefill x{self.prefill_factor:.2f}, "
+            f"decode x{self.decode_factor:.2f}"
+        )
+        if self.shares_cpu:
+            text += (
+                f", {self.cores:g} cores shared with {self.background_cpu_s:.2f} cores of "
+                f"background + {self.cpu_per_token_s * 1e3:.2f} ms CPU per token"
+            )
+        return text
+
     def to_json(self, path: str | Path, **notes) -> None:
         """Write the terms (and ``notes``: how they were fitted) as JSON."""
         Path(path).write_text(json.dumps({**asdict(self), "notes": notes}, indent=1) + "\n")
