@@ -49,8 +49,11 @@ class SLOTargets:
         return self.tpot_ms / 1000.0
 
 
-# The slot limit keeps the observed mean inter-token time below HEADROOM x target, so that
-# the slower requests of a window (the SLO is a percentile) still meet the target.
+# Admission aims at HEADROOM x each target, not the target itself: the slot limit keeps the
+# observed mean inter-token time below it, so that the slower requests of a window (the SLO
+# is a percentile) still meet the target; a request is admitted when its forecast TTFT is
+# below it, because the forecast lags a load that changes (and admission keeps the queue at
+# whatever wait it allows, so a forecast that is a little short misses by that much).
 HEADROOM = 0.8
 GROW_BELOW = 0.6  # grow the limit only while TPOT is under this fraction of the target
 MIN_TOKENS = 8  # tokens a window needs before it can move the limit
@@ -188,10 +191,13 @@ class Forecast:
 class TTFTForecast:
     """Forecasts a new request's TTFT from the router's queues and measured speeds.
 
-    ``slot_wait_s``: 0 when a decode replica has a free slot; otherwise the requests waiting
-    ahead (plus this one) over the rate slots freed recently. ``prefill_s``: the prompt
-    tokens dispatched to prefill and not yet done, plus this prompt, over the pool's speed.
-    Unknown speeds (nothing measured yet) forecast 0: admission never refuses on a guess.
+    ``slot_wait_s``: 0 when a decode replica has a free slot and no one waits; otherwise the
+    requests waiting ahead (plus this one) over the rate slots freed recently. With none
+    freed in the meter's window it is infinite when every replica is at its slot limit
+    (nothing suggests a slot frees in time), else 0 (they wait for KV: unknown).
+    ``prefill_s``: the prompt tokens dispatched to prefill and not yet done, plus this
+    prompt, over the pool's speed; 0 while that speed is unmeasured (never refuse on a
+    guess).
 
     ``error_s`` corrects for what the terms leave out — the KV transfer, decode admission,
     token polling, CPU contention: the ``percentile`` of (measured − forecast TTFT) over the
@@ -236,16 +242,19 @@ class TTFTForecast:
         self,
         now: float,
         *,
-        slot_free: bool,
+        slots_full: bool,
         waiting: int,
         prefill_backlog_tokens: int,
         prompt_tokens: int,
         prefill_replicas: list[str],
     ) -> Forecast:
         slot_wait = 0.0
-        if not slot_free:
+        if slots_full or waiting:
             freed_per_s = self.slots_freed.rate(now)
-            slot_wait = (waiting + 1) / freed_per_s if freed_per_s > 0 else 0.0
+            if freed_per_s > 0:
+                slot_wait = (waiting + 1) / freed_per_s
+            elif slots_full:
+                slot_wait = math.inf
         prefill = 0.0
         speed = self.prefill_speed.pool_tokens_per_s(prefill_replicas)
         if speed:

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,6 +44,7 @@ from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from kv_transfer.errors import NoCapacityError
 from router.admission import (
+    HEADROOM,
     DecodeSlotLimit,
     Forecast,
     PrefillSpeed,
@@ -121,8 +123,9 @@ class RayBackend(Backend):
         self.transfer_seconds_total = 0.0
         self.retries_total = 0
         self.migrations_total = 0
-        self.waiting = 0
-        self._capacity_freed = asyncio.Event()
+        # Requests waiting for decode capacity, first come first served (retries of admitted
+        # requests go to the front). Only the head tries to reserve; freed capacity wakes it.
+        self._line: deque[tuple[str, asyncio.Event]] = deque()
         # SLO-aware admission (None: static limits only).
         self.slo = slo if self.limits.slo_admission else None
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
@@ -339,7 +342,7 @@ class RayBackend(Backend):
             if decode is not None:
                 decode.in_flight -= 1
                 self.slots_freed.add(time.monotonic())
-                self._capacity_freed.set()
+                self._wake_head_of_line()
                 if not finished and decode.alive:
                     decode.handle.cancel.remote(worker_rid)
             if prefill_task is not None and not prefill_task.done():
@@ -375,6 +378,11 @@ class RayBackend(Backend):
     def replica_stats(self) -> dict[str, dict]:
         return self.replicas.summary()
 
+    @property
+    def waiting(self) -> int:
+        """Requests in line for decode capacity."""
+        return len(self._line)
+
     # ---- admission and dispatch -----------------------------------------------------------
     async def _reserve(
         self, request: GenerateRequest, worker_rid: str, admitted: bool
@@ -403,24 +411,35 @@ class RayBackend(Backend):
             if forecast.informed:  # its error is worth learning from
                 self._forecasts[worker_rid] = forecast.slot_wait_s + forecast.prefill_s
         deadline = time.monotonic() + limits.queue_timeout_s
-        self.waiting += 1
+        place = (worker_rid, asyncio.Event())
+        if admitted:
+            self._line.appendleft(place)
+        else:
+            self._line.append(place)
         try:
             while True:
-                reserved = await self._try_reserve(request, worker_rid, slo is not None)
-                if reserved is not None:
-                    return reserved
+                if self._line[0] is place:
+                    place[1].clear()
+                    reserved = await self._try_reserve(request, worker_rid, slo is not None)
+                    if reserved is not None:
+                        return reserved
                 if time.monotonic() > deadline:
                     raise Overloaded(
                         f"no {self.decode_pool} replica had capacity within "
                         f"{limits.queue_timeout_s:.0f}s",
                         retry_after_s=1.0,
                     )
-                # Wait for a request to finish somewhere (or re-check shortly).
-                self._capacity_freed.clear()
+                # Wait for a request to finish somewhere or to reach the head (or re-check
+                # shortly: KV also frees on the workers' own account).
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._capacity_freed.wait(), timeout=0.05)
+                    await asyncio.wait_for(place[1].wait(), timeout=0.05)
         finally:
-            self.waiting -= 1
+            self._line.remove(place)
+            self._wake_head_of_line()
+
+    def _wake_head_of_line(self) -> None:
+        if self._line:
+            self._line[0][1].set()
 
     def _has_free_slot(self, replica: Replica) -> bool:
         limit = self.slot_limits.get(replica.name)
@@ -433,8 +452,7 @@ class RayBackend(Backend):
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
         forecast = self.ttft_forecast.forecast(
             time.monotonic(),
-            # Behind requests already waiting, a free slot is theirs first.
-            slot_free=self.waiting == 0 and any(self._has_free_slot(r) for r in candidates),
+            slots_full=bool(candidates) and not any(self._has_free_slot(r) for r in candidates),
             waiting=self.waiting,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
@@ -442,14 +460,15 @@ class RayBackend(Backend):
             if self.colocated
             else [r.name for r in self.replicas.pool("prefill")],
         )
-        if forecast.ttft_s > slo.ttft_s:
+        if forecast.ttft_s > HEADROOM * slo.ttft_s:
             self.slo_refusals_total += 1
             raise Overloaded(
                 f"forecast time to first token {forecast.ttft_s * 1000:.0f} ms "
                 f"(waiting for decode {forecast.slot_wait_s * 1000:.0f} ms, prefill "
                 f"{forecast.prefill_s * 1000:.0f} ms, recent forecast error "
-                f"{forecast.error_s * 1000:.0f} ms) exceeds the {slo.ttft_ms:.0f} ms target",
-                retry_after_s=max(1.0, math.ceil(forecast.ttft_s - slo.ttft_s)),
+                f"{forecast.error_s * 1000:.0f} ms) leaves no room under the "
+                f"{slo.ttft_ms:.0f} ms target",
+                retry_after_s=min(60.0, max(1.0, math.ceil(forecast.ttft_s - slo.ttft_s))),
             )
         return forecast
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from router.admission import (
@@ -133,23 +135,27 @@ def test_ttft_forecast_adds_slot_wait_and_prefill_backlog():
     freed, speed = RateMeter(window_s=1.0), PrefillSpeed()
     forecast = TTFTForecast(freed, speed)
     args = dict(prefill_backlog_tokens=3000, prompt_tokens=1000, prefill_replicas=["p0"])
-    # Nothing measured yet: never refuse on a guess.
-    assert forecast.forecast(10.0, slot_free=False, waiting=50, **args).ttft_s == 0.0
+    # Nothing measured yet: no prefill term, and a wait for KV is not guessed at...
+    assert forecast.forecast(10.0, slots_full=False, waiting=50, **args).ttft_s == 0.0
+    # ...but with every replica at its slot limit and no slot freed lately, none will be soon.
+    assert forecast.forecast(10.0, slots_full=True, waiting=0, **args).ttft_s == math.inf
     speed.update("p0", 0, 0.0)
     speed.update("p0", 2000, 1.0)  # 2000 prompt tokens per busy second
     for i in range(4):
         freed.add(9.5 + i * 0.1)  # 4 slots freed in the last second
-    free = forecast.forecast(10.0, slot_free=True, waiting=7, **args)
+    free = forecast.forecast(10.0, slots_full=False, waiting=0, **args)
     assert free.slot_wait_s == 0.0 and free.prefill_s == pytest.approx(2.0)
-    full = forecast.forecast(10.0, slot_free=False, waiting=7, **args)
+    full = forecast.forecast(10.0, slots_full=True, waiting=7, **args)
     assert full.slot_wait_s == pytest.approx(2.0)  # 8 requests ahead of a slot at 4/s
     assert full.ttft_s == pytest.approx(4.0)
+    behind = forecast.forecast(10.0, slots_full=False, waiting=7, **args)  # waiting for KV
+    assert behind.slot_wait_s == pytest.approx(2.0)
 
 
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
     freed, speed = RateMeter(), PrefillSpeed()
     forecast = TTFTForecast(freed, speed, percentile=90.0, window_s=10.0, min_samples=10)
-    args = dict(slot_free=True, waiting=0, prefill_backlog_tokens=0, prompt_tokens=100)
+    args = dict(slots_full=False, waiting=0, prefill_backlog_tokens=0, prompt_tokens=100)
     cold = forecast.forecast(0.0, prefill_replicas=["p0"], **args)
     assert not cold.informed  # no prefill speed yet: its error would teach nothing
     assert forecast.forecast(0.0, prefill_replicas=[], **args).informed  # colocated
