@@ -463,15 +463,20 @@ class RayBackend(Backend):
         if forecast.ttft_s > HEADROOM * slo.ttft_s:
             self.slo_refusals_total += 1
             # Come back when the excess wait has passed (unknown: soon; never minutes).
+            if math.isinf(forecast.slot_wait_s):
+                raise Overloaded(
+                    f"every {self.decode_pool} replica is at the load its "
+                    f"{slo.tpot_ms:.0f} ms TPOT target allows and none has freed a slot lately",
+                    retry_after_s=1.0,
+                )
             excess_s = forecast.ttft_s - HEADROOM * slo.ttft_s
-            retry_after_s = min(10.0, max(1.0, math.ceil(excess_s))) if excess_s < 1e6 else 1.0
             raise Overloaded(
                 f"forecast time to first token {forecast.ttft_s * 1000:.0f} ms "
                 f"(waiting for decode {forecast.slot_wait_s * 1000:.0f} ms, prefill "
                 f"{forecast.prefill_s * 1000:.0f} ms, recent forecast error "
                 f"{forecast.error_s * 1000:.0f} ms) leaves no room under the "
                 f"{slo.ttft_ms:.0f} ms target",
-                retry_after_s=retry_after_s,
+                retry_after_s=min(10.0, max(1.0, math.ceil(excess_s))),
             )
         return forecast
 
