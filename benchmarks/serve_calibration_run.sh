@@ -8,8 +8,9 @@
 #
 # Writes benchmarks/out/serve_TAG.json (bench), serve_TAG.idle.json / .before.json /
 # .after.json (snapshots: 10 s idle, then the run), serve_TAG.bench_cpu and
-# .client_startup_cpu (the load generator's CPU seconds: the run, and its imports alone)
-# and serve_TAG.log.
+# .client_startup_cpu (the load generator's CPU seconds: the run, and its imports alone),
+# serve_TAG.engine_before.json / .engine_after.json (`sim_bench measure-cpu` right before
+# and after the run: the bare engine's speed then) and serve_TAG.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=$1
@@ -41,6 +42,8 @@ sleep 5  # let start-up work (calibration, first stats) settle
 sleep 10
 /usr/bin/time -f "%U %S %e" -o "$OUT/serve_$TAG.client_startup_cpu" \
   .venv/bin/pdcluster bench serve --help >/dev/null
+# The bare engine's speed on this machine now (it drifts by up to ~2x on this shared host).
+.venv/bin/python -m benchmarks.sim_bench measure-cpu --out "$OUT/serve_$TAG.engine_before.json"
 .venv/bin/python -m benchmarks.serve_probe snapshot --state "$PDCLUSTER_STATE" \
   --out "$OUT/serve_$TAG.before.json"
 /usr/bin/time -f "%U %S %e" -o "$OUT/serve_$TAG.bench_cpu" \
@@ -49,3 +52,4 @@ sleep 10
   --slo-ttft-ms 500 --slo-tpot-ms 50 --seed 1 --json-out "$OUT/serve_$TAG.json"
 .venv/bin/python -m benchmarks.serve_probe snapshot --state "$PDCLUSTER_STATE" \
   --out "$OUT/serve_$TAG.after.json"
+.venv/bin/python -m benchmarks.sim_bench measure-cpu --out "$OUT/serve_$TAG.engine_after.json"

@@ -103,9 +103,20 @@ def measure_cpu(out: str) -> int:
 
 
 def cpu_cost_model(calibration: str | Path = CPU_CALIBRATION) -> CostModel:
-    """The tiny model on the CPU preset, calibrated (fp32 KV, as local-cpu.yaml runs)."""
-    data = json.loads(Path(calibration).read_text())
-    measured = Measurements(tuple(map(tuple, data["prefill"])), tuple(map(tuple, data["decode"])))
+    """The tiny model on the CPU preset, calibrated (fp32 KV, as local-cpu.yaml runs).
+    ``calibration``: a `measure-cpu` file, or several joined by commas (taken around one
+    serve run: their times are averaged)."""
+    files = [json.loads(Path(f).read_text()) for f in str(calibration).split(",")]
+
+    def mean(key: str) -> tuple:
+        rows = [d[key] for d in files]
+        if any(len(r) != len(rows[0]) for r in rows):
+            raise ValueError(f"calibration files differ in their {key} rows")
+        return tuple(
+            (*row[:-1], float(np.mean([r[i][-1] for r in rows]))) for i, row in enumerate(rows[0])
+        )
+
+    measured = Measurements(mean("prefill"), mean("decode"))
     base = CostModel(
         hardware("CPU"), ModelShape.load("tiny"), efficiency=CPU_EFFICIENCY, kv_cache_bytes=4
     )
@@ -147,8 +158,10 @@ def calibrate_serve(serve_json: str, probe: str | None, calibration: str, out: s
     overheads.to_json(
         out,
         fitted_on=f"{Path(serve_json).name} ({run.rate:g} req/s, {len(run.workload)} requests)",
+        engine_calibration=",".join(os.path.relpath(f) for f in str(calibration).split(",")),
         command=f"python -m benchmarks.sim_bench calibrate-serve --serve-json {serve_json}"
         + (f" --probe {probe}" if probe else "")
+        + (f" --calibration {calibration}" if str(calibration) != str(CPU_CALIBRATION) else "")
         + f" --out {out}",
     )
     print(f"fitted: {overheads.describe()}")
