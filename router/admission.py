@@ -129,19 +129,27 @@ class DecodeSlotLimit:
 
 
 class RateMeter:
-    """Events per second over a sliding window (slots freed, prompt tokens prefilled)."""
+    """Events per second over a sliding window. Until the meter has seen a whole window,
+    the rate is over the time since its first event (at least a second), so a fresh meter
+    does not read a busy start as a slow one."""
 
     def __init__(self, window_s: float = 5.0) -> None:
         self.window_s = window_s
         self._events: deque[tuple[float, float]] = deque()
+        self._first: float | None = None
 
     def add(self, now: float, amount: float = 1.0) -> None:
+        if self._first is None:
+            self._first = now
         self._events.append((now, amount))
 
     def rate(self, now: float) -> float:
         while self._events and self._events[0][0] < now - self.window_s:
             self._events.popleft()
-        return sum(a for _, a in self._events) / self.window_s
+        if self._first is None:
+            return 0.0
+        span = min(self.window_s, max(1.0, now - self._first))
+        return sum(a for _, a in self._events) / span
 
 
 class PrefillSpeed:
@@ -191,10 +199,12 @@ class Forecast:
 class TTFTForecast:
     """Forecasts a new request's TTFT from the router's queues and measured speeds.
 
-    ``slot_wait_s``: 0 when a decode replica has a free slot and no one waits; otherwise the
-    requests waiting ahead (plus this one) over the rate slots freed recently. With none
-    freed in the meter's window it is infinite when every replica is at its slot limit
-    (nothing suggests a slot frees in time), else 0 (they wait for KV: unknown).
+    ``slot_wait_s``: 0 when a decode replica has a free slot and the line for capacity is
+    not blocked (``line_blocked``: its head found no capacity on its last try; requests
+    merely queued behind a reservation call in flight are not waiting for a slot);
+    otherwise the requests waiting ahead (plus this one) over the rate slots freed
+    recently. With none freed in the meter's window it is infinite when every replica is at
+    its slot limit (nothing suggests a slot frees in time), else 0 (a wait for KV: unknown).
     ``prefill_s``: the prompt tokens dispatched to prefill and not yet done, plus this
     prompt, over the pool's speed; 0 while that speed is unmeasured (never refuse on a
     guess).
@@ -243,13 +253,14 @@ class TTFTForecast:
         now: float,
         *,
         slots_full: bool,
+        line_blocked: bool,
         waiting: int,
         prefill_backlog_tokens: int,
         prompt_tokens: int,
         prefill_replicas: list[str],
     ) -> Forecast:
         slot_wait = 0.0
-        if slots_full or waiting:
+        if slots_full or line_blocked:
             freed_per_s = self.slots_freed.rate(now)
             if freed_per_s > 0:
                 slot_wait = (waiting + 1) / freed_per_s

@@ -126,6 +126,7 @@ class RayBackend(Backend):
         # Requests waiting for decode capacity, first come first served (retries of admitted
         # requests go to the front). Only the head tries to reserve; freed capacity wakes it.
         self._line: deque[tuple[str, asyncio.Event]] = deque()
+        self._line_blocked = False  # its head found no capacity on its last try
         # SLO-aware admission (None: static limits only).
         self.slo = slo if self.limits.slo_admission else None
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
@@ -421,6 +422,7 @@ class RayBackend(Backend):
                 if self._line[0] is place:
                     place[1].clear()
                     reserved = await self._try_reserve(request, worker_rid, slo is not None)
+                    self._line_blocked = reserved is None
                     if reserved is not None:
                         return reserved
                 if time.monotonic() > deadline:
@@ -435,6 +437,8 @@ class RayBackend(Backend):
                     await asyncio.wait_for(place[1].wait(), timeout=0.05)
         finally:
             self._line.remove(place)
+            if not self._line:
+                self._line_blocked = False
             self._wake_head_of_line()
 
     def _wake_head_of_line(self) -> None:
@@ -453,6 +457,7 @@ class RayBackend(Backend):
         forecast = self.ttft_forecast.forecast(
             time.monotonic(),
             slots_full=bool(candidates) and not any(self._has_free_slot(r) for r in candidates),
+            line_blocked=self._line_blocked,
             waiting=self.waiting,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),

@@ -105,10 +105,18 @@ def test_slot_limit_converges_under_the_target_on_a_linear_step_time_replica():
 
 def test_rate_meter_counts_a_sliding_window():
     meter = RateMeter(window_s=5.0)
+    assert meter.rate(0.0) == 0.0
     for t in range(10):
         meter.add(float(t))
     assert meter.rate(9.0) == pytest.approx(6 / 5)  # events at 4..9
     assert meter.rate(100.0) == 0.0
+    young = RateMeter(window_s=5.0)
+    for i in range(4):
+        young.add(10.0 + i * 0.5)  # 4 events in its first 2 seconds: 2/s, not 4/5
+    assert young.rate(12.0) == pytest.approx(2.0)
+    newborn = RateMeter(window_s=5.0)
+    newborn.add(10.0)
+    assert newborn.rate(10.2) == pytest.approx(1.0)  # over at least a second
 
 
 def test_prefill_speed_from_cumulative_counters():
@@ -136,26 +144,34 @@ def test_ttft_forecast_adds_slot_wait_and_prefill_backlog():
     forecast = TTFTForecast(freed, speed)
     args = dict(prefill_backlog_tokens=3000, prompt_tokens=1000, prefill_replicas=["p0"])
     # Nothing measured yet: no prefill term, and a wait for KV is not guessed at...
-    assert forecast.forecast(10.0, slots_full=False, waiting=50, **args).ttft_s == 0.0
+    assert (
+        forecast.forecast(10.0, slots_full=False, line_blocked=True, waiting=50, **args).ttft_s
+        == 0.0
+    )
     # ...but with every replica at its slot limit and no slot freed lately, none will be soon.
-    assert forecast.forecast(10.0, slots_full=True, waiting=0, **args).ttft_s == math.inf
+    assert (
+        forecast.forecast(10.0, slots_full=True, line_blocked=False, waiting=0, **args).ttft_s
+        == math.inf
+    )
     speed.update("p0", 0, 0.0)
     speed.update("p0", 2000, 1.0)  # 2000 prompt tokens per busy second
     for i in range(4):
         freed.add(9.5 + i * 0.1)  # 4 slots freed in the last second
-    free = forecast.forecast(10.0, slots_full=False, waiting=0, **args)
+    free = forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=3, **args)
     assert free.slot_wait_s == 0.0 and free.prefill_s == pytest.approx(2.0)
-    full = forecast.forecast(10.0, slots_full=True, waiting=7, **args)
+    full = forecast.forecast(10.0, slots_full=True, line_blocked=False, waiting=7, **args)
     assert full.slot_wait_s == pytest.approx(2.0)  # 8 requests ahead of a slot at 4/s
     assert full.ttft_s == pytest.approx(4.0)
-    behind = forecast.forecast(10.0, slots_full=False, waiting=7, **args)  # waiting for KV
+    behind = forecast.forecast(10.0, slots_full=False, line_blocked=True, waiting=7, **args)
     assert behind.slot_wait_s == pytest.approx(2.0)
 
 
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
     freed, speed = RateMeter(), PrefillSpeed()
     forecast = TTFTForecast(freed, speed, percentile=90.0, window_s=10.0, min_samples=10)
-    args = dict(slots_full=False, waiting=0, prefill_backlog_tokens=0, prompt_tokens=100)
+    args = dict(
+        slots_full=False, line_blocked=False, waiting=0, prefill_backlog_tokens=0, prompt_tokens=100
+    )
     cold = forecast.forecast(0.0, prefill_replicas=["p0"], **args)
     assert not cold.informed  # no prefill speed yet: its error would teach nothing
     assert forecast.forecast(0.0, prefill_replicas=[], **args).informed  # colocated
