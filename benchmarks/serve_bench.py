@@ -66,6 +66,7 @@ class RequestResult:
     start_s: float  # since the run started
     ok: bool = False
     error: str | None = None
+    detail: str | None = None  # the server's message for a refused or failed request
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
@@ -98,6 +99,14 @@ class BenchConfig:
         parse_distribution(self.output_len)
 
 
+def _error_message(body: bytes) -> str:
+    """The ``error.message`` of an OpenAI-style error body (else the body's start)."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode("utf-8", "replace")
+
+
 async def _one(
     client: httpx.AsyncClient, cfg: BenchConfig, prompt: list[int], max_tokens: int, t0: float
 ) -> RequestResult:
@@ -117,8 +126,9 @@ async def _one(
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                await resp.aread()
+                body = await resp.aread()
                 result.error = f"HTTP {resp.status_code}"
+                result.detail = _error_message(body)
                 return result
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -126,6 +136,7 @@ async def _one(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     result.error = "stream error"
+                    result.detail = str(chunk["error"])[:300]
                     return result
                 for choice in chunk.get("choices", []):
                     n = len(choice.get("token_ids") or [])
