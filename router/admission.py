@@ -10,10 +10,11 @@ Two controls, both fed by what the router itself observes:
   passes the target. It adapts to whatever makes a step slow — batch size, context length,
   a prefill sharing the cores — without a model of any of them.
 - :class:`TTFTForecast`: a new request's time to first token, forecast as the wait for a
-  decode slot (requests waiting ahead / the rate slots free up) plus the prefill backlog
-  in front of it (prompt tokens dispatched and not yet prefilled / the prefill pool's
-  measured speed). A request whose forecast exceeds the TTFT target is refused before it
-  takes any resource.
+  decode slot (requests waiting ahead / the rate slots free up) plus the prompt backlog
+  in front of it (prompt tokens admitted and still waiting for their first token / the
+  measured speed of the pool that computes prompts), corrected by what recent forecasts
+  missed. A request whose forecast exceeds the TTFT target is refused before it takes any
+  resource.
 
 Everything here is pure bookkeeping on the router's event loop (no I/O, no locks); the
 clock is passed in so tests can drive it.
@@ -153,8 +154,10 @@ class RateMeter:
 
 
 class PrefillSpeed:
-    """The prefill pool's speed in prompt tokens per busy second, from the workers'
-    cumulative counters (``prompt_tokens_computed``, ``busy_s``), smoothed."""
+    """The speed of the pool that computes prompts, in prompt tokens per busy second, from
+    the workers' cumulative counters (``prompt_tokens_computed``, ``busy_s``), smoothed. For
+    colocated replicas the busy time includes their decode steps: the rate a prompt backlog
+    drains at while decoding goes on."""
 
     def __init__(self, smoothing: float = 0.3, min_busy_s: float = 0.05) -> None:
         self.smoothing = smoothing
@@ -205,8 +208,8 @@ class TTFTForecast:
     otherwise the requests waiting ahead (plus this one) over the rate slots freed
     recently. With none freed in the meter's window it is infinite when every replica is at
     its slot limit (nothing suggests a slot frees in time), else 0 (a wait for KV: unknown).
-    ``prefill_s``: the prompt tokens dispatched to prefill and not yet done, plus this
-    prompt, over the pool's speed; 0 while that speed is unmeasured (never refuse on a
+    ``prefill_s``: the prompt tokens admitted and still waiting for their first token, plus
+    this prompt, over the pool's speed; 0 while that speed is unmeasured (never refuse on a
     guess).
 
     ``error_s`` corrects for what the terms leave out — the KV transfer, decode admission,
@@ -214,8 +217,10 @@ class TTFTForecast:
     requests admitted in the last ``window_s`` (:meth:`observe`; only informed forecasts),
     once there are ``min_samples`` of them. The SLO is a percentile, so the forecast is one
     too: a request is admitted when the ``percentile`` of TTFTs like its own would meet the
-    target. The window is short on purpose: while everything is refused no new errors
-    arrive, so an old bad stretch must age out quickly.
+    target. While everything is refused no new errors arrive, so an old bad stretch (a cold
+    start's burst) would keep refusing everything until it aged out of the window: the
+    error term is capped at ``max_error_s`` (half the TTFT target, from the backend), so a
+    request the queues say is fast always gets through and its TTFT refreshes the estimate.
     """
 
     def __init__(
@@ -226,12 +231,14 @@ class TTFTForecast:
         percentile: float = 90.0,
         window_s: float = 10.0,
         min_samples: int = 10,
+        max_error_s: float = math.inf,
     ) -> None:
         self.slots_freed = slots_freed
         self.prefill_speed = prefill_speed
         self.percentile = percentile
         self.window_s = window_s
         self.min_samples = min_samples
+        self.max_error_s = max_error_s
         self._errors: deque[tuple[float, float]] = deque()  # (at, measured − forecast)
 
     def observe(self, now: float, forecast_s: float, measured_s: float) -> None:
@@ -246,7 +253,7 @@ class TTFTForecast:
             return 0.0
         ordered = sorted(e for _, e in self._errors)
         rank = max(0, math.ceil(self.percentile / 100.0 * len(ordered)) - 1)
-        return ordered[rank]
+        return min(ordered[rank], self.max_error_s)
 
     def forecast(
         self,

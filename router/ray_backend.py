@@ -18,7 +18,7 @@ ends with a clear error.
 
 With SLO targets, admission is SLO-aware (router/admission.py): each decode replica takes
 requests only up to an adaptive limit that keeps its TPOT under the target, and a new
-request whose forecast TTFT (wait for a slot + the prefill backlog ahead of it) exceeds the
+request whose forecast TTFT (wait for a slot + the prompt backlog ahead of it) exceeds the
 target is refused at once with 429, before it takes any resource. Retries and migrations of
 admitted requests bypass both: finishing what was admitted comes first.
 
@@ -136,9 +136,11 @@ class RayBackend(Backend):
             self.slots_freed,
             self.prefill_speed,
             percentile=self.slo.percentile if self.slo else 90.0,
+            max_error_s=0.5 * self.slo.ttft_s if self.slo else math.inf,
         )
         self._forecasts: dict[str, float] = {}  # worker request id → its raw TTFT forecast
-        self.prefill_backlog_tokens = 0  # prompt tokens dispatched to prefill, not yet done
+        # Prompt tokens of admitted attempts still waiting for their first token.
+        self.prefill_backlog_tokens = 0
         self.slo_refusals_total = 0
 
     # ---- replicas (the controller adds, drains and removes them) ------------------------
@@ -295,9 +297,12 @@ class RayBackend(Backend):
         prefill_task: asyncio.Task | None = None
         finished = False
         last_delivery: float | None = None
+        backlog = 0  # this attempt's prompt tokens, counted until its first token
         try:
             decode, reservation = await self._reserve(request, worker_rid, admitted)
             served_by.add(decode.name)
+            backlog = len(request.prompt_token_ids)
+            self.prefill_backlog_tokens += backlog
             slot_limit = self.slot_limits.get(decode.name)
             if not self.colocated:
                 prefill_task = asyncio.create_task(
@@ -320,6 +325,9 @@ class RayBackend(Backend):
                         delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
                 first_delta = False
                 now = time.monotonic()
+                if delta["token_ids"] and backlog:
+                    self.prefill_backlog_tokens -= backlog
+                    backlog = 0
                 forecast = self._forecasts.pop(worker_rid, None)
                 if forecast is not None and delta["token_ids"]:
                     self.ttft_forecast.observe(now, forecast, now - request.arrival_time)
@@ -340,6 +348,7 @@ class RayBackend(Backend):
             self._queues.pop(worker_rid, None)
             self._owner.pop(worker_rid, None)
             self._forecasts.pop(worker_rid, None)
+            self.prefill_backlog_tokens -= backlog
             if decode is not None:
                 decode.in_flight -= 1
                 self.slots_freed.add(time.monotonic())
@@ -445,6 +454,11 @@ class RayBackend(Backend):
         if self._line:
             self._line[0][1].set()
 
+    @property
+    def _prefill_pool(self) -> str:
+        """The pool that computes prompts (in colocated mode, the one pool)."""
+        return "colocated" if self.colocated else "prefill"
+
     def _has_free_slot(self, replica: Replica) -> bool:
         limit = self.slot_limits.get(replica.name)
         return limit is None or replica.in_flight < limit.limit
@@ -461,9 +475,7 @@ class RayBackend(Backend):
             waiting=self.waiting,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
-            prefill_replicas=[]
-            if self.colocated
-            else [r.name for r in self.replicas.pool("prefill")],
+            prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
         )
         if forecast.ttft_s > HEADROOM * slo.ttft_s:
             self.slo_refusals_total += 1
@@ -536,8 +548,6 @@ class RayBackend(Backend):
             return None
         served_by.add(replica.name)
         replica.in_flight += 1
-        backlog = len(request.prompt_token_ids)
-        self.prefill_backlog_tokens += backlog
         try:
             result = await replica.handle.prefill.remote(
                 worker_rid,
@@ -558,7 +568,6 @@ class RayBackend(Backend):
             return None
         finally:
             replica.in_flight -= 1
-            self.prefill_backlog_tokens -= backlog
         transfer = result.get("transfer") or {}
         self.transfer_bytes_total += int(transfer.get("payload_bytes", 0) or 0)
         self.transfer_seconds_total += float(transfer.get("seconds", 0.0) or 0.0)
@@ -618,7 +627,7 @@ class RayBackend(Backend):
         if self.slo is None:
             return
         stats = replica.stats
-        if replica.pool == "prefill" and "busy_s" in stats:
+        if replica.pool == self._prefill_pool and "busy_s" in stats:
             self.prefill_speed.update(
                 replica.name, stats.get("prompt_tokens_computed", 0), stats["busy_s"]
             )

@@ -187,5 +187,8 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
     assert warm.error_s == pytest.approx(0.2)  # the 90th percentile of the misses
     assert warm.ttft_s == pytest.approx(0.3)
     assert forecast.forecast(12.0, prefill_replicas=["p0"], **args).error_s == 0.0  # aged out
+    capped = TTFTForecast(freed, speed, min_samples=1, max_error_s=0.25)
+    capped.observe(1.0, forecast_s=0.0, measured_s=5.0)  # a cold start's burst
+    assert capped.error_s(1.0) == 0.25  # an empty system still admits: its TTFT teaches
     early = Forecast(slot_wait_s=0.0, prefill_s=0.1, error_s=-0.5)
     assert early.ttft_s == 0.0  # a forecast that overshot never goes below zero
