@@ -56,6 +56,10 @@ class SLOTargets:
 # below it, because the forecast lags a load that changes (and admission keeps the queue at
 # whatever wait it allows, so a forecast that is a little short misses by that much).
 HEADROOM = 0.8
+# A TTFT forecast is admitted below TTFT_HEADROOM x target: lower than HEADROOM because the
+# queue admission fills sits right at that line, and a request's TTFT varies more around
+# its forecast (batching, the transfer, CPU contention) than a step time does.
+TTFT_HEADROOM = 0.7
 GROW_BELOW = 0.6  # grow the limit only while TPOT is under this fraction of the target
 MIN_TOKENS = 8  # tokens a window needs before it can move the limit
 
@@ -68,7 +72,8 @@ class DecodeSlotLimit:
     arrived), and :meth:`update` periodically with the replica's requests in flight. The
     replica takes a new request only while ``in_flight < limit``. The limit starts at
     ``max_limit`` (no limit in practice: admission never refuses on a guess) and is first
-    cut when TPOT is seen to pass the target.
+    cut when TPOT is seen to pass the target, or when the replica is full (:meth:`full_at`:
+    out of KV), so that the router knows a newcomer will wait.
 
     Each update judges the window of deliveries since the last update that moved the limit
     (or the last ``window_s``): mean inter-token time ``m`` against target ``t``:
@@ -111,6 +116,11 @@ class DecodeSlotLimit:
         if tokens < MIN_TOKENS:
             return None
         return sum(gap for _, gap, _ in self._gaps) / tokens
+
+    def full_at(self, in_flight: int) -> None:
+        """The replica refused a request for want of KV (or sequence slots) with
+        ``in_flight`` requests: it takes no more than that until the limit grows again."""
+        self.limit = max(1, min(self.limit, in_flight))
 
     def update(self, now: float, in_flight: int) -> None:
         mean = self.mean_tpot_s(now)
@@ -209,8 +219,10 @@ class TTFTForecast:
     recently. With none freed in the meter's window it is infinite when every replica is at
     its slot limit (nothing suggests a slot frees in time), else 0 (a wait for KV: unknown).
     ``prefill_s``: the prompt tokens admitted and still waiting for their first token, plus
-    this prompt, over the pool's speed; 0 while that speed is unmeasured (never refuse on a
-    guess).
+    this prompt, over the pool's speed. Until that speed is measured (the first half second
+    of work), a backlog of up to ``cold_tokens`` forecasts 0 and more is refused: a burst
+    at a cold start is taken only as far as a few prefill batches, then as fast as the
+    measured speed says.
 
     ``error_s`` corrects for what the terms leave out — the KV transfer, decode admission,
     token polling, CPU contention: the ``percentile`` of (measured − forecast TTFT) over the
@@ -218,9 +230,9 @@ class TTFTForecast:
     once there are ``min_samples`` of them. The SLO is a percentile, so the forecast is one
     too: a request is admitted when the ``percentile`` of TTFTs like its own would meet the
     target. While everything is refused no new errors arrive, so an old bad stretch (a cold
-    start's burst) would keep refusing everything until it aged out of the window: the
-    error term is capped at ``max_error_s`` (half the TTFT target, from the backend), so a
-    request the queues say is fast always gets through and its TTFT refreshes the estimate.
+    start's burst) could refuse everything until it aged out of the window: the backend
+    lets a request its queues say is fast through now and then (a probe) to refresh it.
+    ``max_error_s`` caps the error term (unbounded by default).
     """
 
     def __init__(
@@ -232,6 +244,7 @@ class TTFTForecast:
         window_s: float = 10.0,
         min_samples: int = 10,
         max_error_s: float = math.inf,
+        cold_tokens: float = 4096.0,
     ) -> None:
         self.slots_freed = slots_freed
         self.prefill_speed = prefill_speed
@@ -239,6 +252,7 @@ class TTFTForecast:
         self.window_s = window_s
         self.min_samples = min_samples
         self.max_error_s = max_error_s
+        self.cold_tokens = cold_tokens
         self._errors: deque[tuple[float, float]] = deque()  # (at, measured − forecast)
 
     def observe(self, now: float, forecast_s: float, measured_s: float) -> None:
@@ -277,5 +291,7 @@ class TTFTForecast:
         speed = self.prefill_speed.pool_tokens_per_s(prefill_replicas)
         if speed:
             prefill = (prefill_backlog_tokens + prompt_tokens) / speed
+        elif prefill_backlog_tokens and prefill_backlog_tokens + prompt_tokens > self.cold_tokens:
+            prefill = math.inf  # a cold start's burst: no more than ``cold_tokens`` unmeasured
         informed = bool(speed) or not prefill_replicas
         return Forecast(slot_wait, prefill, self.error_s(now), informed)

@@ -44,7 +44,7 @@ from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from kv_transfer.errors import NoCapacityError
 from router.admission import (
-    HEADROOM,
+    TTFT_HEADROOM,
     DecodeSlotLimit,
     Forecast,
     PrefillSpeed,
@@ -67,6 +67,11 @@ from router.replicas import Replica, ReplicaSet
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.05
+LINE_BLOCKED_MEMORY_S = 1.0
+# With nothing admitted for this long, a request its queues say is fast is let in even if
+# the learned forecast error says no: the error is learned only from admitted requests, so
+# a stale bad stretch would otherwise refuse everything until it aged out of the window.
+PROBE_INTERVAL_S = 1.0  # the line counts as blocked this long after a head found no room
 STATS_INTERVAL_S = 0.5
 
 
@@ -126,7 +131,8 @@ class RayBackend(Backend):
         # Requests waiting for decode capacity, first come first served (retries of admitted
         # requests go to the front). Only the head tries to reserve; freed capacity wakes it.
         self._line: deque[tuple[str, asyncio.Event]] = deque()
-        self._line_blocked = False  # its head found no capacity on its last try
+        self._line_blocked_at = -math.inf  # when its head last found no capacity
+        self._last_slo_admission = -math.inf
         # SLO-aware admission (None: static limits only).
         self.slo = slo if self.limits.slo_admission else None
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
@@ -136,7 +142,6 @@ class RayBackend(Backend):
             self.slots_freed,
             self.prefill_speed,
             percentile=self.slo.percentile if self.slo else 90.0,
-            max_error_s=0.5 * self.slo.ttft_s if self.slo else math.inf,
         )
         self._forecasts: dict[str, float] = {}  # worker request id → its raw TTFT forecast
         # Prompt tokens of admitted attempts still waiting for their first token.
@@ -431,7 +436,8 @@ class RayBackend(Backend):
                 if self._line[0] is place:
                     place[1].clear()
                     reserved = await self._try_reserve(request, worker_rid, slo is not None)
-                    self._line_blocked = reserved is None
+                    if reserved is None:
+                        self._line_blocked_at = time.monotonic()
                     if reserved is not None:
                         return reserved
                 if time.monotonic() > deadline:
@@ -446,8 +452,6 @@ class RayBackend(Backend):
                     await asyncio.wait_for(place[1].wait(), timeout=0.05)
         finally:
             self._line.remove(place)
-            if not self._line:
-                self._line_blocked = False
             self._wake_head_of_line()
 
     def _wake_head_of_line(self) -> None:
@@ -471,14 +475,28 @@ class RayBackend(Backend):
         forecast = self.ttft_forecast.forecast(
             time.monotonic(),
             slots_full=bool(candidates) and not any(self._has_free_slot(r) for r in candidates),
-            line_blocked=self._line_blocked,
+            # Blocked lately: a head that got through does not mean the next one will.
+            line_blocked=self.waiting > 0
+            and time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S,
             waiting=self.waiting,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
             prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
         )
-        if forecast.ttft_s > HEADROOM * slo.ttft_s:
+        now = time.monotonic()
+        limit_s = TTFT_HEADROOM * slo.ttft_s
+        probe = (
+            forecast.slot_wait_s + forecast.prefill_s <= limit_s
+            and now - self._last_slo_admission >= PROBE_INTERVAL_S
+        )
+        if forecast.ttft_s > limit_s and not probe:
             self.slo_refusals_total += 1
+            if math.isinf(forecast.prefill_s):
+                raise Overloaded(
+                    f"{self.prefill_backlog_tokens} prompt tokens are waiting for their first "
+                    "token and the prefill speed is not measured yet (the cluster is starting)",
+                    retry_after_s=1.0,
+                )
             # Come back when the excess wait has passed (unknown: soon; never minutes).
             if math.isinf(forecast.slot_wait_s):
                 raise Overloaded(
@@ -486,7 +504,7 @@ class RayBackend(Backend):
                     f"{slo.tpot_ms:.0f} ms TPOT target allows and none has freed a slot lately",
                     retry_after_s=1.0,
                 )
-            excess_s = forecast.ttft_s - HEADROOM * slo.ttft_s
+            excess_s = forecast.ttft_s - limit_s
             raise Overloaded(
                 f"forecast time to first token {forecast.ttft_s * 1000:.0f} ms "
                 f"(waiting for decode {forecast.slot_wait_s * 1000:.0f} ms, prefill "
@@ -495,6 +513,7 @@ class RayBackend(Backend):
                 f"{slo.ttft_ms:.0f} ms target",
                 retry_after_s=min(10.0, max(1.0, math.ceil(excess_s))),
             )
+        self._last_slo_admission = now
         return forecast
 
     async def _try_reserve(
@@ -520,6 +539,8 @@ class RayBackend(Backend):
                     )
             except Exception as err:  # noqa: BLE001 - sorted by kind below
                 if _is(err, NoCapacityError):
+                    if replica.name in self.slot_limits:
+                        self.slot_limits[replica.name].full_at(replica.in_flight)
                     continue
                 if _is(err, InvalidRequestError):
                     raise RequestRejected(_message(err)) from None

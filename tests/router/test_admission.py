@@ -72,6 +72,10 @@ def test_slot_limit_ignores_thin_windows_and_old_samples():
     feed(limit, 1.0, 0.5)
     limit.update(10.0, in_flight=8)  # those samples are older than the window
     assert limit.limit == 8 and limit.mean_tpot_s(10.0) is None
+    limit.full_at(5)  # out of KV with 5 in flight: no more than that for now
+    assert limit.limit == 5
+    limit.full_at(0)
+    assert limit.limit == 1
 
 
 def test_slot_limit_starts_unbounded_and_first_cut_lands_near_what_is_in_use():
@@ -148,7 +152,16 @@ def test_ttft_forecast_adds_slot_wait_and_prefill_backlog():
         forecast.forecast(10.0, slots_full=False, line_blocked=True, waiting=50, **args).ttft_s
         == 0.0
     )
-    # ...but with every replica at its slot limit and no slot freed lately, none will be soon.
+    # ...nor a few batches of prompts (up to ``cold_tokens``)...
+    cold = dict(args, prefill_backlog_tokens=4000, prompt_tokens=96)
+    assert (
+        forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=0, **cold).ttft_s == 0
+    )
+    # ...but a cold start's burst past them is not taken on trust...
+    cold["prompt_tokens"] = 97
+    burst = forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=0, **cold)
+    assert burst.prefill_s == math.inf
+    # ...and with every replica at its slot limit and no slot freed lately, none will be soon.
     assert (
         forecast.forecast(10.0, slots_full=True, line_blocked=False, waiting=0, **args).ttft_s
         == math.inf
@@ -189,6 +202,6 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
     assert forecast.forecast(12.0, prefill_replicas=["p0"], **args).error_s == 0.0  # aged out
     capped = TTFTForecast(freed, speed, min_samples=1, max_error_s=0.25)
     capped.observe(1.0, forecast_s=0.0, measured_s=5.0)  # a cold start's burst
-    assert capped.error_s(1.0) == 0.25  # an empty system still admits: its TTFT teaches
+    assert capped.error_s(1.0) == 0.25  # when a cap is given
     early = Forecast(slot_wait_s=0.0, prefill_s=0.1, error_s=-0.5)
     assert early.ttft_s == 0.0  # a forecast that overshot never goes below zero

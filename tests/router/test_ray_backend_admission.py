@@ -164,3 +164,30 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
     assert err.retry_after_s == 1.0
     assert replica == "decode-0"
     assert stats["slo_refusals_total"] == 1 and stats["slot_limit"] == {"decode-0": 1}
+
+
+def test_a_stale_forecast_error_cannot_refuse_everything_a_probe_gets_through(monkeypatch):
+    import router.ray_backend as ray_backend
+
+    monkeypatch.setattr(ray_backend, "PROBE_INTERVAL_S", 0.2)
+
+    async def run():
+        backend, _ = make_backend(capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000))
+        await backend.start()
+        for _ in range(20):  # a bad stretch: every request ran 5 s over its forecast
+            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
+        outcomes = []
+        for name in ("probe", "refused", "after"):
+            if name == "after":
+                await asyncio.sleep(0.25)
+            try:
+                outcomes.append(len(await drain(backend, request(name))))
+            except Overloaded as err:
+                outcomes.append(str(err))
+        await backend.stop()
+        return outcomes
+
+    probe, refused, after = asyncio.run(run())
+    assert probe == 3  # nothing admitted lately and its queues say it is fast: let in
+    assert "recent forecast error 5000 ms" in refused  # right after, the error rules
+    assert after == 3  # a probe interval later, another one gets through
