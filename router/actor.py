@@ -100,7 +100,9 @@ class RouterActor:
         summary = self.backend.load.summary(window_s, percentile, set(exclude))
         return {
             **summary,
-            "router_waiting": self.backend.waiting,
+            # The planner reads a full decode pool from this: requests in line behind a
+            # blocked head, not those queued behind a reservation call in flight.
+            "router_waiting": self.backend.waiting_for_capacity,
             "replicas": self.backend.replica_stats(),
         }
 

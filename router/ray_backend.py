@@ -383,6 +383,7 @@ class RayBackend(Backend):
             "transfer_bytes_total": self.transfer_bytes_total,
             "transfer_seconds_total": self.transfer_seconds_total,
             "router_waiting": self.waiting,
+            "router_waiting_for_capacity": self.waiting_for_capacity,
             "retries_total": self.retries_total,
             "migrations_total": self.migrations_total,
             "slot_limit": {name: limit.limit for name, limit in self.slot_limits.items()},
@@ -397,6 +398,14 @@ class RayBackend(Backend):
     def waiting(self) -> int:
         """Requests in line for decode capacity."""
         return len(self._line)
+
+    @property
+    def waiting_for_capacity(self) -> int:
+        """Requests in line while the line is blocked lately (its head found no decode
+        capacity): a full decode pool. Requests merely queued behind a reservation call in
+        flight do not count."""
+        blocked = time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
+        return self.waiting if blocked else 0
 
     # ---- admission and dispatch -----------------------------------------------------------
     async def _reserve(
@@ -476,8 +485,7 @@ class RayBackend(Backend):
             time.monotonic(),
             slots_full=bool(candidates) and not any(self._has_free_slot(r) for r in candidates),
             # Blocked lately: a head that got through does not mean the next one will.
-            line_blocked=self.waiting > 0
-            and time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S,
+            line_blocked=self.waiting_for_capacity > 0,
             waiting=self.waiting,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
