@@ -286,6 +286,7 @@ class Controller:
             ),
             decode_waiting=int(raw["router_waiting"]),
             decode_running=int(sum(stats[n].get("running", 0) for n in decode_names)),
+            decode_pending=int(sum(stats[n].get("pending_transfers", 0) for n in decode_names)),
             replicas=tuple(
                 ReplicaState(
                     name=r.name, pool=r.pool, age_s=r.age_s(now), draining=r.state == "draining"

@@ -81,12 +81,22 @@ class Observation:
     decode_waiting: int
     decode_running: int
     replicas: tuple[ReplicaState, ...]
+    # Reservations on decode replicas still waiting for their KV, i.e. for a prefill.
+    decode_pending: int = 0
 
     def __post_init__(self) -> None:
         for name in ("window_s", "arrival_rate", "mean_input_len", "mean_output_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if min(self.prefill_queue_tokens, self.decode_waiting, self.decode_running) < 0:
+        if (
+            min(
+                self.prefill_queue_tokens,
+                self.decode_waiting,
+                self.decode_running,
+                self.decode_pending,
+            )
+            < 0
+        ):
             raise ValueError("queue lengths must be >= 0")
 
 
@@ -452,8 +462,10 @@ class Planner:
         if obs.tpot_ms is not None and obs.tpot_ms > tpot:
             latency_bad = f"TPOT p{self.slo.percentile:g} {obs.tpot_ms:,.1f} ms > {tpot:g} ms"
         present = (0.0, "")
-        if obs.decode_waiting > 0:
-            # Requests wait for KV: the pool is full now, whatever the rate says.
+        if obs.decode_waiting > 0 and obs.decode_pending <= obs.decode_running:
+            # Requests wait for KV: the pool is full now, whatever the rate says — unless
+            # what fills it is mostly reservations waiting for their prefill (a prefill
+            # shortage: more decode replicas would only hold more of them).
             present = (
                 max(replicas, current + 1.0),
                 f"{obs.decode_waiting} requests waiting for decode KV",

@@ -230,6 +230,16 @@ def test_decode_waiting_for_kv_scales_decode():
     assert d.direction == "up" and "waiting for decode KV" in d.reason
 
 
+def test_decode_full_of_reservations_waiting_for_prefill_is_not_a_decode_shortage():
+    """A prompt-heavy load: decode's sequence slots are held by reservations whose prompts
+    queue at prefill, so requests wait at the router; more decode replicas would not help."""
+    cluster = FakeCluster(make_planner(), sizes={"prefill": 1, "decode": 1})
+    for _ in range(4):
+        cluster.step(1.0)
+    d = cluster.step(1.0, decode_waiting=30, decode_running=4, decode_pending=60)["decode"]
+    assert d.direction == "hold" and "waiting for decode KV" not in d.reason
+
+
 def test_warming_replica_samples_do_not_cause_overscaling():
     cluster = FakeCluster(make_planner(), sizes={"prefill": 2, "decode": 1})
     cluster.ages["prefill"][1] = 0.0  # just started
