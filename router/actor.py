@@ -56,6 +56,7 @@ class RouterActor:
             colocated=colocated,
             limits=RouterLimits(**limits),
             slo=None if slo is None else SLOTargets(**slo),
+            kv_cache_tokens=info["num_blocks"] * info["block_size"],
         )
         for name, pool in replicas.items():
             self.backend.add_replica(name, pool, handles[name])

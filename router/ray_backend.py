@@ -107,14 +107,18 @@ class RayBackend(Backend):
         colocated: bool = False,
         limits: RouterLimits | None = None,
         slo: SLOTargets | None = None,
+        kv_cache_tokens: int | None = None,
     ) -> None:
         """``slo``: the latency targets SLO-aware admission protects; None (or
-        ``limits.slo_admission`` false) admits by the static limits alone."""
+        ``limits.slo_admission`` false) admits by the static limits alone.
+        ``kv_cache_tokens``: a decode replica's KV cache size; a request that can never fit
+        it is a 400 at once, before admission (not a 429 under load)."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.kv_cache_tokens = kv_cache_tokens
         self.colocated = colocated
         self.decode_pool = "colocated" if colocated else "decode"
         self.limits = limits or RouterLimits()
@@ -413,6 +417,7 @@ class RayBackend(Backend):
     ) -> tuple[Replica, dict]:
         limits = self.limits
         slo = None if admitted else self.slo
+        self._check_fits_kv_cache(request)
         if not self.replicas.decode_candidates(self.decode_pool, set()):
             raise NoReplica(f"no {self.decode_pool} replica is ready")
         if not self.colocated:
@@ -462,6 +467,19 @@ class RayBackend(Backend):
         finally:
             self._line.remove(place)
             self._wake_head_of_line()
+
+    def _check_fits_kv_cache(self, request: GenerateRequest) -> None:
+        """The decode worker's own check, made here first so that load cannot turn a request
+        that can never be served into a 429."""
+        if self.kv_cache_tokens is None:
+            return
+        longest = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
+        blocks = -(-longest // self.block_size)
+        if blocks * self.block_size > self.kv_cache_tokens:
+            raise RequestRejected(
+                f"request needs up to {longest} tokens of KV cache but the cache holds "
+                f"{self.kv_cache_tokens}"
+            )
 
     def _wake_head_of_line(self) -> None:
         if self._line:

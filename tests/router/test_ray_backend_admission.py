@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import ByteTokenizer
 from kv_transfer.errors import NoCapacityError
 from router.admission import SLOTargets
-from router.backend import GenerateRequest, Overloaded
+from router.backend import GenerateRequest, Overloaded, RequestRejected
 from router.config import RouterLimits
 from router.ray_backend import RayBackend
 
@@ -89,7 +89,9 @@ class FakePrefill:
         return {"queued_tokens": 0}
 
 
-def make_backend(capacity: int, slo: SLOTargets | None = None) -> tuple[RayBackend, FakeDecode]:
+def make_backend(
+    capacity: int, slo: SLOTargets | None = None, kv_cache_tokens: int | None = None
+) -> tuple[RayBackend, FakeDecode]:
     backend = RayBackend(
         model_name="fake",
         tokenizer=ByteTokenizer(),
@@ -98,6 +100,7 @@ def make_backend(capacity: int, slo: SLOTargets | None = None) -> tuple[RayBacke
         block_size=16,
         limits=RouterLimits(queue_timeout_s=5.0),
         slo=slo,
+        kv_cache_tokens=kv_cache_tokens,
     )
     decode = FakeDecode(capacity)
     backend.add_replica("decode-0", "decode", decode)
@@ -191,3 +194,22 @@ def test_a_stale_forecast_error_cannot_refuse_everything_a_probe_gets_through(mo
     assert probe == 3  # nothing admitted lately and its queues say it is fast: let in
     assert "recent forecast error 5000 ms" in refused  # right after, the error rules
     assert after == 3  # a probe interval later, another one gets through
+
+
+def test_a_request_that_can_never_fit_is_rejected_before_admission_can_refuse_it():
+    async def run():
+        backend, decode = make_backend(
+            capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000), kv_cache_tokens=64
+        )
+        await backend.start()
+        for _ in range(20):  # under load: SLO admission would refuse a new request
+            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
+        backend._last_slo_admission = time.monotonic()
+        with pytest.raises(RequestRejected) as rejected:
+            await drain(backend, request("huge", max_tokens=100))  # 3 + 100 > 64 tokens
+        await backend.stop()
+        return str(rejected.value), decode.reserved
+
+    message, reserved = asyncio.run(run())
+    assert "needs up to 103 tokens of KV cache but the cache holds 64" in message
+    assert reserved == []  # no worker saw it
