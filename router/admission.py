@@ -230,8 +230,8 @@ class TTFTForecast:
     once there are ``min_samples`` of them. The SLO is a percentile, so the forecast is one
     too: a request is admitted when the ``percentile`` of TTFTs like its own would meet the
     target. While everything is refused no new errors arrive, so an old bad stretch (a cold
-    start's burst) could refuse everything until it aged out of the window: the backend
-    lets a request its queues say is fast through now and then (a probe) to refresh it.
+    start's burst) would refuse everything: the backend lets a request its queues say is
+    fast through a few times a second (a probe), and their errors replace the old ones.
     ``max_error_s`` caps the error term (unbounded by default).
     """
 
@@ -261,7 +261,10 @@ class TTFTForecast:
         self._errors.append((now, measured_s - forecast_s))
 
     def error_s(self, now: float) -> float:
-        while self._errors and self._errors[0][0] < now - self.window_s:
+        """The percentile of the errors of the last ``window_s``; once ``min_samples`` have
+        been seen, never over fewer than the latest ``min_samples`` (however old): an empty
+        window says nothing new, and dropping to 0 would admit a burst."""
+        while len(self._errors) > self.min_samples and self._errors[0][0] < now - self.window_s:
             self._errors.popleft()
         if len(self._errors) < self.min_samples:
             return 0.0

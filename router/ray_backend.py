@@ -71,7 +71,7 @@ LINE_BLOCKED_MEMORY_S = 1.0
 # With nothing admitted for this long, a request its queues say is fast is let in even if
 # the learned forecast error says no: the error is learned only from admitted requests, so
 # a stale bad stretch would otherwise refuse everything until it aged out of the window.
-PROBE_INTERVAL_S = 1.0  # the line counts as blocked this long after a head found no room
+PROBE_INTERVAL_S = 0.25  # the line counts as blocked this long after a head found no room
 STATS_INTERVAL_S = 0.5
 
 

@@ -179,7 +179,7 @@ def test_ttft_forecast_adds_slot_wait_and_prefill_backlog():
     assert behind.slot_wait_s == pytest.approx(2.0)
 
 
-def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
+def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replace_it():
     freed, speed = RateMeter(), PrefillSpeed()
     forecast = TTFTForecast(freed, speed, percentile=90.0, window_s=10.0, min_samples=10)
     args = dict(
@@ -199,7 +199,12 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_forgets_it():
     assert warm.informed and warm.prefill_s == pytest.approx(0.1)
     assert warm.error_s == pytest.approx(0.2)  # the 90th percentile of the misses
     assert warm.ttft_s == pytest.approx(0.3)
-    assert forecast.forecast(12.0, prefill_replicas=["p0"], **args).error_s == 0.0  # aged out
+    # Out of the window, the latest ``min_samples`` still count: nothing newer is known, and
+    # dropping to 0 would admit a burst. (The latest 10: eight 0.2 s misses, two 0.9 s.)
+    assert forecast.forecast(12.0, prefill_replicas=["p0"], **args).error_s == pytest.approx(0.9)
+    for _ in range(10):  # fresh requests (probes) replace them
+        forecast.observe(12.5, forecast_s=0.1, measured_s=0.15)
+    assert forecast.error_s(12.5) == pytest.approx(0.05)
     capped = TTFTForecast(freed, speed, min_samples=1, max_error_s=0.25)
     capped.observe(1.0, forecast_s=0.0, measured_s=5.0)  # a cold start's burst
     assert capped.error_s(1.0) == 0.25  # when a cap is given
