@@ -26,6 +26,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from router.load_window import percentile
+
 
 @dataclass(frozen=True)
 class SLOTargets:
@@ -50,11 +52,9 @@ class SLOTargets:
         return self.tpot_ms / 1000.0
 
 
-# Admission aims at HEADROOM x each target, not the target itself: the slot limit keeps the
-# observed mean inter-token time below it, so that the slower requests of a window (the SLO
-# is a percentile) still meet the target; a request is admitted when its forecast TTFT is
-# below it, because the forecast lags a load that changes (and admission keeps the queue at
-# whatever wait it allows, so a forecast that is a little short misses by that much).
+# The slot limit keeps the observed mean inter-token time below HEADROOM x the TPOT target,
+# not the target itself, so that the slower requests of a window (the SLO is a percentile)
+# still meet the target.
 HEADROOM = 0.8
 # A TTFT forecast is admitted below TTFT_HEADROOM x target: lower than HEADROOM because the
 # queue admission fills sits right at that line, and a request's TTFT varies more around
@@ -232,7 +232,6 @@ class TTFTForecast:
     target. While everything is refused no new errors arrive, so an old bad stretch (a cold
     start's burst) would refuse everything: the backend lets a request its queues say is
     fast through a few times a second (a probe), and their errors replace the old ones.
-    ``max_error_s`` caps the error term (unbounded by default).
     """
 
     def __init__(
@@ -243,7 +242,6 @@ class TTFTForecast:
         percentile: float = 90.0,
         window_s: float = 10.0,
         min_samples: int = 10,
-        max_error_s: float = math.inf,
         cold_tokens: float = 4096.0,
     ) -> None:
         self.slots_freed = slots_freed
@@ -251,7 +249,6 @@ class TTFTForecast:
         self.percentile = percentile
         self.window_s = window_s
         self.min_samples = min_samples
-        self.max_error_s = max_error_s
         self.cold_tokens = cold_tokens
         self._errors: deque[tuple[float, float]] = deque()  # (at, measured − forecast)
 
@@ -268,9 +265,7 @@ class TTFTForecast:
             self._errors.popleft()
         if len(self._errors) < self.min_samples:
             return 0.0
-        ordered = sorted(e for _, e in self._errors)
-        rank = max(0, math.ceil(self.percentile / 100.0 * len(ordered)) - 1)
-        return min(ordered[rank], self.max_error_s)
+        return percentile([e for _, e in self._errors], self.percentile)
 
     def forecast(
         self,

@@ -205,8 +205,5 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replac
     for _ in range(10):  # fresh requests (probes) replace them
         forecast.observe(12.5, forecast_s=0.1, measured_s=0.15)
     assert forecast.error_s(12.5) == pytest.approx(0.05)
-    capped = TTFTForecast(freed, speed, min_samples=1, max_error_s=0.25)
-    capped.observe(1.0, forecast_s=0.0, measured_s=5.0)  # a cold start's burst
-    assert capped.error_s(1.0) == 0.25  # when a cap is given
     early = Forecast(slot_wait_s=0.0, prefill_s=0.1, error_s=-0.5)
     assert early.ttft_s == 0.0  # a forecast that overshot never goes below zero
