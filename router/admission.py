@@ -9,12 +9,13 @@ Two controls, both fed by what the router itself observes:
   The limit grows while it binds and TPOT has headroom, and is cut in proportion when TPOT
   passes the target. It adapts to whatever makes a step slow — batch size, context length,
   a prefill sharing the cores — without a model of any of them.
-- :class:`TTFTForecast`: a new request's time to first token, forecast as the wait for a
-  decode slot (requests waiting ahead / the rate slots free up) plus the prompt backlog
-  in front of it (prompt tokens admitted and still waiting for their first token / the
-  measured speed of the pool that computes prompts), corrected by what recent forecasts
-  missed. A request whose forecast exceeds the TTFT target is refused before it takes any
-  resource.
+- :class:`TTFTForecast`: a new request's time to first token, forecast as its wait in
+  the line for decode capacity (its turn at the head after those ahead; once the free
+  slots are taken, each turn waits for a slot to free) plus the prompt backlog in front of
+  it (prompt tokens admitted and still waiting for their first token / the measured speed
+  of the pool that computes prompts), corrected by what recent forecasts missed — and by
+  what requests still waiting for their first token have already missed. A request whose
+  forecast exceeds the TTFT target is refused before it takes any resource.
 
 Everything here is pure bookkeeping on the router's event loop (no I/O, no locks); the
 clock is passed in so tests can drive it.
@@ -80,9 +81,16 @@ class DecodeSlotLimit:
 
     - ``m > HEADROOM·t``: cut to ``in_use · HEADROOM·t / m`` (step time grows at most
       linearly with the batch, so this lands at or under the target), at least 1; the
-      window restarts, so one slow stretch is acted on once.
+      window restarts, so one slow stretch is acted on once. While more than the limit
+      are still in flight (a cut has not taken effect: only finishing requests lower it),
+      the window restarts without a cut: steps stay slow until the batch has shrunk, and
+      cutting again on them would strand the requests waiting for a slot for seconds.
     - ``m < GROW_BELOW·t`` while the limit binds (``in_flight >= limit - 1``): grow by a
       quarter (at least 1), at most ``max_limit``.
+    - in between, the replica is near its TPOT budget: the limit holds, and one far above
+      what is in flight (the unlimited start) comes down to ``in_flight + 1``. Load then
+      stops climbing here rather than past the target, where the cut would leave requests
+      already waiting for a slot stranded behind the excess.
     """
 
     def __init__(
@@ -127,6 +135,9 @@ class DecodeSlotLimit:
         if mean is None:
             return
         target = self.tpot_target_s
+        if in_flight > self.limit:
+            self._gaps.clear()  # the last cut has not taken effect yet: judge it once it has
+            return
         if mean > HEADROOM * target:
             in_use = max(1, min(self.limit, in_flight))
             self.limit = max(
@@ -134,9 +145,12 @@ class DecodeSlotLimit:
             )
             self._gaps.clear()
             self.cuts += 1
-        elif mean < GROW_BELOW * target and in_flight >= self.limit - 1:
-            self.limit = min(self.max_limit, self.limit + max(1, self.limit // 4))
-            self.grows += 1
+        elif mean < GROW_BELOW * target:
+            if in_flight >= self.limit - 1:
+                self.limit = min(self.max_limit, self.limit + max(1, self.limit // 4))
+                self.grows += 1
+        elif self.limit > in_flight + 1:
+            self.limit = in_flight + 1
 
 
 class RateMeter:
@@ -161,6 +175,33 @@ class RateMeter:
             return 0.0
         span = min(self.window_s, max(1.0, now - self._first))
         return sum(a for _, a in self._events) / span
+
+
+class HeadOfLineTime:
+    """How long a request spends at the head of the line for decode capacity: from reaching
+    the head until its reservation succeeds (the reservation call itself, plus any wait for
+    a slot or for KV to free). Requests behind it wait their turn, so a newcomer with
+    ``waiting`` requests ahead waits about ``(waiting + 1) x`` this.
+
+    The mean over the departures of the last ``window_s`` (at least the latest
+    ``min_samples``, however old, once seen), and never less than how long the current head
+    has been there: a head stuck behind a full pool says so before it departs."""
+
+    def __init__(self, window_s: float = 5.0, min_samples: int = 5) -> None:
+        if window_s <= 0 or min_samples < 1:
+            raise ValueError("HeadOfLineTime needs a positive window and sample count")
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self._times: deque[tuple[float, float]] = deque()  # (departed at, seconds at the head)
+
+    def departed(self, now: float, head_s: float) -> None:
+        self._times.append((now, max(0.0, head_s)))
+
+    def mean_s(self, now: float, current_head_s: float = 0.0) -> float:
+        while len(self._times) > self.min_samples and self._times[0][0] < now - self.window_s:
+            self._times.popleft()
+        mean = sum(t for _, t in self._times) / len(self._times) if self._times else 0.0
+        return max(mean, current_head_s)
 
 
 class PrefillSpeed:
@@ -205,19 +246,24 @@ class Forecast:
     informed: bool = True  # False while a speed it needs is still unmeasured
 
     @property
+    def raw_s(self) -> float:
+        """The forecast from the queues alone, without the learned error."""
+        return self.slot_wait_s + self.prefill_s
+
+    @property
     def ttft_s(self) -> float:
-        return max(0.0, self.slot_wait_s + self.prefill_s + self.error_s)
+        return max(0.0, self.raw_s + self.error_s)
 
 
 class TTFTForecast:
     """Forecasts a new request's TTFT from the router's queues and measured speeds.
 
-    ``slot_wait_s``: 0 when a decode replica has a free slot and the line for capacity is
-    not blocked (``line_blocked``: its head found no capacity on its last try; requests
-    merely queued behind a reservation call in flight are not waiting for a slot);
-    otherwise the requests waiting ahead (plus this one) over the rate slots freed
-    recently. With none freed in the meter's window it is infinite when every replica is at
-    its slot limit (nothing suggests a slot frees in time), else 0 (a wait for KV: unknown).
+    ``slot_wait_s``: the wait in the line for decode capacity, ``(waiting + 1)`` times the
+    time a request spends at its head (:class:`HeadOfLineTime`: the reservation call, and
+    any wait for a slot or KV to free). The ``free_slots`` under the replicas' slot limits
+    go to the first in line; every turn after them also takes at least the time between
+    two slots freeing (``slots_freed``), and with none freed lately the wait is infinite:
+    nothing suggests a slot frees in time.
     ``prefill_s``: the prompt tokens admitted and still waiting for their first token, plus
     this prompt, over the pool's speed. Until that speed is measured (the first half second
     of work), a backlog of up to ``cold_tokens`` forecasts 0 and more is refused: a burst
@@ -226,24 +272,31 @@ class TTFTForecast:
 
     ``error_s`` corrects for what the terms leave out — the KV transfer, decode admission,
     token polling, CPU contention: the ``percentile`` of (measured − forecast TTFT) over the
-    requests admitted in the last ``window_s`` (:meth:`observe`; only informed forecasts),
-    once there are ``min_samples`` of them. The SLO is a percentile, so the forecast is one
-    too: a request is admitted when the ``percentile`` of TTFTs like its own would meet the
-    target. While everything is refused no new errors arrive, so an old bad stretch (a cold
-    start's burst) would refuse everything: the backend lets a request its queues say is
-    fast through a few times a second (a probe), and their errors replace the old ones.
+    requests admitted in the last ``window_s``, once there are ``min_samples`` of them. The
+    SLO is a percentile, so the forecast is one too: a request is admitted when the
+    ``percentile`` of TTFTs like its own would meet the target. A request still waiting for
+    its first token past its forecast counts with what it has missed by so far (a lower
+    bound on its error): the forecast learns that it is short while the requests it let in
+    are still waiting, not a TTFT later. Register each admitted request with
+    :meth:`admitted` and end it with :meth:`first_token` or :meth:`forget`.
+
+    While everything is refused no new errors arrive, so an old bad stretch would refuse
+    everything: the backend lets a request its queues say is fast through a few times a
+    second (a probe), and their errors replace the old ones.
     """
 
     def __init__(
         self,
+        head_time: HeadOfLineTime,
         slots_freed: RateMeter,
         prefill_speed: PrefillSpeed,
         *,
         percentile: float = 90.0,
-        window_s: float = 10.0,
+        window_s: float = 3.0,
         min_samples: int = 10,
         cold_tokens: float = 4096.0,
     ) -> None:
+        self.head_time = head_time
         self.slots_freed = slots_freed
         self.prefill_speed = prefill_speed
         self.percentile = percentile
@@ -251,40 +304,63 @@ class TTFTForecast:
         self.min_samples = min_samples
         self.cold_tokens = cold_tokens
         self._errors: deque[tuple[float, float]] = deque()  # (at, measured − forecast)
+        self._pending: dict[str, tuple[float, float]] = {}  # key → (arrival, raw forecast)
+
+    def admitted(self, key: str, arrival: float, forecast_s: float) -> None:
+        """A request arriving at ``arrival`` was admitted on a raw forecast of
+        ``forecast_s`` (without the error term); it is pending until its first token."""
+        self._pending[key] = (arrival, forecast_s)
+
+    def first_token(self, key: str, now: float) -> None:
+        """The request's first token reached the router: its error is known."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            arrival, forecast_s = pending
+            self.observe(now, forecast_s, now - arrival)
+
+    def forget(self, key: str) -> None:
+        """The request ended (or was retried) without a first token."""
+        self._pending.pop(key, None)
 
     def observe(self, now: float, forecast_s: float, measured_s: float) -> None:
-        """An admitted request's first token came ``measured_s`` after its arrival; it was
-        forecast (without the error term) at ``forecast_s``."""
+        """A request's first token came ``measured_s`` after its arrival; it was forecast
+        (without the error term) at ``forecast_s``."""
         self._errors.append((now, measured_s - forecast_s))
 
     def error_s(self, now: float) -> float:
-        """The percentile of the errors of the last ``window_s``; once ``min_samples`` have
-        been seen, never over fewer than the latest ``min_samples`` (however old): an empty
-        window says nothing new, and dropping to 0 would admit a burst."""
+        """The percentile of the errors of the last ``window_s`` together with what pending
+        requests have already missed by; once ``min_samples`` errors have been seen, never
+        over fewer than the latest ``min_samples`` (however old): an empty window says
+        nothing new, and dropping to 0 would admit a burst."""
         while len(self._errors) > self.min_samples and self._errors[0][0] < now - self.window_s:
             self._errors.popleft()
-        if len(self._errors) < self.min_samples:
-            return 0.0
-        return percentile([e for _, e in self._errors], self.percentile)
+        late = [now - arrival - f for arrival, f in self._pending.values() if now - arrival > f]
+        errors = [e for _, e in self._errors] + late
+        if len(errors) < self.min_samples:
+            return max(late, default=0.0)
+        return percentile(errors, self.percentile)
 
     def forecast(
         self,
         now: float,
         *,
-        slots_full: bool,
-        line_blocked: bool,
         waiting: int,
+        current_head_s: float,
+        free_slots: float,
         prefill_backlog_tokens: int,
         prompt_tokens: int,
         prefill_replicas: list[str],
     ) -> Forecast:
-        slot_wait = 0.0
-        if slots_full or line_blocked:
+        """``waiting``: requests in the line for decode capacity; ``current_head_s``: how
+        long its head has been there (0 with no line); ``free_slots``: how many more
+        requests the replicas' slot limits let in now."""
+        turn = self.head_time.mean_s(now, current_head_s)
+        turns_for_a_slot = max(0, waiting + 1 - free_slots)
+        slot_wait = (waiting + 1 - turns_for_a_slot) * turn
+        if turns_for_a_slot:
             freed_per_s = self.slots_freed.rate(now)
-            if freed_per_s > 0:
-                slot_wait = (waiting + 1) / freed_per_s
-            elif slots_full:
-                slot_wait = math.inf
+            per_slot = max(turn, 1.0 / freed_per_s) if freed_per_s > 0 else math.inf
+            slot_wait += turns_for_a_slot * per_slot
         prefill = 0.0
         speed = self.prefill_speed.pool_tokens_per_s(prefill_replicas)
         if speed:

@@ -47,6 +47,7 @@ from router.admission import (
     TTFT_HEADROOM,
     DecodeSlotLimit,
     Forecast,
+    HeadOfLineTime,
     PrefillSpeed,
     RateMeter,
     SLOTargets,
@@ -67,11 +68,11 @@ from router.replicas import Replica, ReplicaSet
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.05
-LINE_BLOCKED_MEMORY_S = 1.0
+LINE_BLOCKED_MEMORY_S = 1.0  # the line counts as blocked this long after a head found no room
 # With nothing admitted for this long, a request its queues say is fast is let in even if
 # the learned forecast error says no: the error is learned only from admitted requests, so
 # a stale bad stretch would otherwise refuse everything until it aged out of the window.
-PROBE_INTERVAL_S = 0.25  # the line counts as blocked this long after a head found no room
+PROBE_INTERVAL_S = 0.25
 STATS_INTERVAL_S = 0.5
 
 
@@ -93,6 +94,15 @@ def _message(err: BaseException) -> str:
 
 class _Retry(Exception):
     """This attempt failed in a way another attempt can fix."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Place:
+    """A request's place in the line for decode capacity."""
+
+    worker_rid: str
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    head_since: float | None = None  # when it reached the head of the line
 
 
 class RayBackend(Backend):
@@ -134,20 +144,21 @@ class RayBackend(Backend):
         self.migrations_total = 0
         # Requests waiting for decode capacity, first come first served (retries of admitted
         # requests go to the front). Only the head tries to reserve; freed capacity wakes it.
-        self._line: deque[tuple[str, asyncio.Event]] = deque()
+        self._line: deque[_Place] = deque()
         self._line_blocked_at = -math.inf  # when its head last found no capacity
         self._last_slo_admission = -math.inf
         # SLO-aware admission (None: static limits only).
         self.slo = slo if self.limits.slo_admission else None
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
+        self.head_time = HeadOfLineTime()
         self.slots_freed = RateMeter()
         self.prefill_speed = PrefillSpeed()
         self.ttft_forecast = TTFTForecast(
+            self.head_time,
             self.slots_freed,
             self.prefill_speed,
             percentile=self.slo.percentile if self.slo else 90.0,
         )
-        self._forecasts: dict[str, float] = {}  # worker request id → its raw TTFT forecast
         # Prompt tokens of admitted attempts still waiting for their first token.
         self.prefill_backlog_tokens = 0
         self.slo_refusals_total = 0
@@ -334,12 +345,10 @@ class RayBackend(Backend):
                         delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
                 first_delta = False
                 now = time.monotonic()
-                if delta["token_ids"] and backlog:
+                if delta["token_ids"] and backlog:  # the first token
                     self.prefill_backlog_tokens -= backlog
                     backlog = 0
-                forecast = self._forecasts.pop(worker_rid, None)
-                if forecast is not None and delta["token_ids"]:
-                    self.ttft_forecast.observe(now, forecast, now - request.arrival_time)
+                    self.ttft_forecast.first_token(worker_rid, now)
                 if slot_limit is not None and last_delivery is not None:
                     slot_limit.observe(now, now - last_delivery, len(delta["token_ids"]))
                 last_delivery = now
@@ -356,7 +365,7 @@ class RayBackend(Backend):
         finally:
             self._queues.pop(worker_rid, None)
             self._owner.pop(worker_rid, None)
-            self._forecasts.pop(worker_rid, None)
+            self.ttft_forecast.forget(worker_rid)
             self.prefill_backlog_tokens -= backlog
             if decode is not None:
                 decode.in_flight -= 1
@@ -438,9 +447,9 @@ class RayBackend(Backend):
         if slo is not None:
             forecast = self._refuse_if_ttft_forecast_misses(request, slo)
             if forecast.informed:  # its error is worth learning from
-                self._forecasts[worker_rid] = forecast.slot_wait_s + forecast.prefill_s
+                self.ttft_forecast.admitted(worker_rid, request.arrival_time, forecast.raw_s)
         deadline = time.monotonic() + limits.queue_timeout_s
-        place = (worker_rid, asyncio.Event())
+        place = _Place(worker_rid)
         if admitted:
             self._line.appendleft(place)
         else:
@@ -448,13 +457,18 @@ class RayBackend(Backend):
         try:
             while True:
                 if self._line[0] is place:
-                    place[1].clear()
+                    if place.head_since is None:
+                        place.head_since = time.monotonic()
+                    place.wake.clear()
                     reserved = await self._try_reserve(request, worker_rid, slo is not None)
                     if reserved is None:
                         self._line_blocked_at = time.monotonic()
                     if reserved is not None:
+                        self.head_time.departed(time.monotonic(), self._at_head_s(place))
                         return reserved
                 if time.monotonic() > deadline:
+                    if place.head_since is not None:  # its turn at the head counts too
+                        self.head_time.departed(time.monotonic(), self._at_head_s(place))
                     raise Overloaded(
                         f"no {self.decode_pool} replica had capacity within "
                         f"{limits.queue_timeout_s:.0f}s",
@@ -463,7 +477,7 @@ class RayBackend(Backend):
                 # Wait for a request to finish somewhere or to reach the head (or re-check
                 # shortly: KV also frees on the workers' own account).
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(place[1].wait(), timeout=0.05)
+                    await asyncio.wait_for(place.wake.wait(), timeout=0.05)
         finally:
             self._line.remove(place)
             self._wake_head_of_line()
@@ -483,16 +497,23 @@ class RayBackend(Backend):
 
     def _wake_head_of_line(self) -> None:
         if self._line:
-            self._line[0][1].set()
+            self._line[0].wake.set()
+
+    @staticmethod
+    def _at_head_s(place: _Place) -> float:
+        """How long ``place`` has been at the head of the line (0 if it never got there)."""
+        return 0.0 if place.head_since is None else time.monotonic() - place.head_since
 
     @property
     def _prefill_pool(self) -> str:
         """The pool that computes prompts (in colocated mode, the one pool)."""
         return "colocated" if self.colocated else "prefill"
 
-    def _has_free_slot(self, replica: Replica) -> bool:
+    def _free_slots(self, replica: Replica) -> float:
+        """How many more requests ``replica`` takes under its SLO slot limit (any number
+        without one)."""
         limit = self.slot_limits.get(replica.name)
-        return limit is None or replica.in_flight < limit.limit
+        return math.inf if limit is None else max(0, limit.limit - replica.in_flight)
 
     def _refuse_if_ttft_forecast_misses(
         self, request: GenerateRequest, slo: SLOTargets
@@ -501,20 +522,16 @@ class RayBackend(Backend):
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
         forecast = self.ttft_forecast.forecast(
             time.monotonic(),
-            slots_full=bool(candidates) and not any(self._has_free_slot(r) for r in candidates),
-            # Blocked lately: a head that got through does not mean the next one will.
-            line_blocked=self.waiting_for_capacity > 0,
             waiting=self.waiting,
+            current_head_s=self._at_head_s(self._line[0]) if self._line else 0.0,
+            free_slots=sum(self._free_slots(r) for r in candidates),
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
             prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
         )
         now = time.monotonic()
         limit_s = TTFT_HEADROOM * slo.ttft_s
-        probe = (
-            forecast.slot_wait_s + forecast.prefill_s <= limit_s
-            and now - self._last_slo_admission >= PROBE_INTERVAL_S
-        )
+        probe = forecast.raw_s <= limit_s and now - self._last_slo_admission >= PROBE_INTERVAL_S
         if forecast.ttft_s > limit_s and not probe:
             self.slo_refusals_total += 1
             if math.isinf(forecast.prefill_s):
@@ -551,7 +568,7 @@ class RayBackend(Backend):
         if not candidates:
             raise NoReplica(f"no {self.decode_pool} replica is ready")
         if within_slots:
-            candidates = [r for r in candidates if self._has_free_slot(r)]
+            candidates = [r for r in candidates if self._free_slots(r) > 0]
         for replica in candidates:
             try:
                 if self.colocated:

@@ -17,8 +17,6 @@ from engine import LLM, SamplingParams
 from tests.integration.conftest import start
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
-# How far over its target the overload test lets admitted requests' p90 TTFT go (see there).
-TTFT_SLACK = 2.5
 
 
 def greedy(prompt: str, max_tokens: int) -> list[int]:
@@ -222,14 +220,10 @@ def test_short_chaos_run_loses_nothing(ray_session, cluster):
 
 def test_under_overload_admitted_requests_meet_their_slo(ray_session):
     """Open-loop Poisson load at ~3x what two tiny actors on this CPU serve: SLO-aware
-    admission refuses the excess with 429 and the requests it admits meet the TPOT target
-    at the SLO percentile, and their TTFT stays within TTFT_SLACK x its target. Judged after
-    a 5 s warm-up: at a cold start the router has measured neither the prefill speed nor its
-    forecast's error. Without SLO admission this load drives TTFT p90 to 5-9 s.
-
-    Not yet the SLO itself for TTFT: p90 TTFT met the target in about 5 runs of 6 on this
-    2-core machine, and reached 1.6x it (2.4 s) in the others (issue #6 stays open for it).
-    The numbers are printed on every run."""
+    admission refuses the excess with 429 and the requests it admits meet both targets at
+    the SLO percentile. Judged after a 5 s warm-up: at a cold start the router has measured
+    neither the prefill speed nor its forecast's error. Without SLO admission this load
+    drives TTFT p90 to 5-9 s. The numbers are printed on every run."""
     from benchmarks.serve_bench import BenchConfig, run_benchmark
 
     slo = {"ttft_ms": 1500.0, "tpot_ms": 80.0, "percentile": 90.0}
@@ -272,7 +266,7 @@ def test_under_overload_admitted_requests_meet_their_slo(ray_session):
         )
         assert refused and len(judged) >= 30, (len(judged), len(refused))  # p90 of >= 30
         assert tpot_ms <= slo["tpot_ms"], (ttft_ms, tpot_ms)
-        assert ttft_ms <= TTFT_SLACK * slo["ttft_ms"], (ttft_ms, tpot_ms)
+        assert ttft_ms <= slo["ttft_ms"], (ttft_ms, tpot_ms)
         metrics = httpx.get(running.urls["http"] + "/metrics", timeout=10).text
         assert "pdcluster_decode_slot_limit{" in metrics
         assert "pdcluster_backend_slo_refusals_total" in metrics

@@ -10,6 +10,7 @@ from router.admission import (
     HEADROOM,
     DecodeSlotLimit,
     Forecast,
+    HeadOfLineTime,
     PrefillSpeed,
     RateMeter,
     SLOTargets,
@@ -86,6 +87,32 @@ def test_slot_limit_starts_unbounded_and_first_cut_lands_near_what_is_in_use():
     assert limit.limit == 16  # 40 x 0.8 x 50 / 100
 
 
+def test_slot_limit_near_the_tpot_budget_stops_the_load_climbing():
+    limit = DecodeSlotLimit(0.050, max_limit=1024)
+    feed(limit, 1.0, 0.035)  # between GROW_BELOW and HEADROOM x target, 30 in flight
+    limit.update(1.0, in_flight=30)
+    assert limit.limit == 31 and limit.cuts == 0  # no longer unlimited: held near 30
+    feed(limit, 2.0, 0.020)  # room again: grows while it binds
+    limit.update(2.0, in_flight=31)
+    assert limit.limit == 38
+
+
+def test_slot_limit_waits_for_a_cut_to_take_effect_before_cutting_again():
+    limit = DecodeSlotLimit(0.050, max_limit=1024)
+    feed(limit, 1.0, 0.100)
+    limit.update(1.0, in_flight=40)
+    assert limit.limit == 16
+    # Steps stay slow until requests finish and the batch shrinks to the limit: no new cut
+    # on them (it would leave the requests waiting for a slot stranded for seconds).
+    for t, in_flight in ((1.5, 35), (2.0, 27), (2.5, 17)):
+        feed(limit, t, 0.100)
+        limit.update(t, in_flight=in_flight)
+    assert limit.limit == 16 and limit.cuts == 1
+    feed(limit, 3.0, 0.045)  # at the limit now, and still over HEADROOM x target
+    limit.update(3.0, in_flight=16)
+    assert limit.limit == 14 and limit.cuts == 2
+
+
 def test_slot_limit_converges_under_the_target_on_a_linear_step_time_replica():
     """Closed loop against a replica whose step takes 4 ms + 2 ms per sequence, offered far
     more requests than it can serve at a 50 ms TPOT (the best batch is 23)."""
@@ -123,6 +150,20 @@ def test_rate_meter_counts_a_sliding_window():
     assert newborn.rate(10.2) == pytest.approx(1.0)  # over at least a second
 
 
+def test_head_of_line_time_is_a_recent_mean_and_at_least_the_current_heads_wait():
+    head = HeadOfLineTime(window_s=5.0, min_samples=2)
+    assert head.mean_s(0.0) == 0.0  # nothing seen
+    assert head.mean_s(0.0, current_head_s=0.3) == 0.3  # a head already stuck that long
+    for t in range(10):
+        head.departed(float(t), 0.1 if t < 6 else 0.5)
+    assert head.mean_s(9.0) == pytest.approx((2 * 0.1 + 4 * 0.5) / 6)  # departures at 4..9
+    assert head.mean_s(9.0, current_head_s=2.0) == 2.0  # the current head waits longer
+    # Long after, the latest ``min_samples`` still count: nothing newer is known.
+    assert head.mean_s(100.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        HeadOfLineTime(window_s=0)
+
+
 def test_prefill_speed_from_cumulative_counters():
     speed = PrefillSpeed(smoothing=0.5, min_busy_s=0.05)
     assert speed.pool_tokens_per_s(["p0"]) is None
@@ -143,47 +184,79 @@ def test_prefill_speed_from_cumulative_counters():
     assert speed.pool_tokens_per_s(["p0", "p1"]) == pytest.approx(500.0)
 
 
-def test_ttft_forecast_adds_slot_wait_and_prefill_backlog():
-    freed, speed = RateMeter(window_s=1.0), PrefillSpeed()
-    forecast = TTFTForecast(freed, speed)
+def test_ttft_forecast_adds_the_wait_in_line_and_the_prefill_backlog():
+    head, freed, speed = HeadOfLineTime(), RateMeter(window_s=1.0), PrefillSpeed()
+    forecast = TTFTForecast(head, freed, speed)
     args = dict(prefill_backlog_tokens=3000, prompt_tokens=1000, prefill_replicas=["p0"])
-    # Nothing measured yet: no prefill term, and a wait for KV is not guessed at...
+    # Nothing measured yet: no wait in line and no prefill term...
     assert (
-        forecast.forecast(10.0, slots_full=False, line_blocked=True, waiting=50, **args).ttft_s
+        forecast.forecast(10.0, waiting=50, current_head_s=0.0, free_slots=math.inf, **args).ttft_s
         == 0.0
     )
-    # ...nor a few batches of prompts (up to ``cold_tokens``)...
+    # ...nor for a few batches of prompts (up to ``cold_tokens``)...
     cold = dict(args, prefill_backlog_tokens=4000, prompt_tokens=96)
     assert (
-        forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=0, **cold).ttft_s == 0
+        forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **cold).ttft_s
+        == 0
     )
     # ...but a cold start's burst past them is not taken on trust...
     cold["prompt_tokens"] = 97
-    burst = forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=0, **cold)
+    burst = forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **cold)
     assert burst.prefill_s == math.inf
-    # ...and with every replica at its slot limit and no slot freed lately, none will be soon.
-    assert (
-        forecast.forecast(10.0, slots_full=True, line_blocked=False, waiting=0, **args).ttft_s
-        == math.inf
-    )
+    # ...and a head already stuck at the line says how long each one ahead may take.
+    stuck = forecast.forecast(10.0, waiting=4, current_head_s=0.5, free_slots=math.inf, **args)
+    assert stuck.slot_wait_s == pytest.approx(2.5)
     speed.update("p0", 0, 0.0)
     speed.update("p0", 2000, 1.0)  # 2000 prompt tokens per busy second
     for i in range(4):
-        freed.add(9.5 + i * 0.1)  # 4 slots freed in the last second
-    free = forecast.forecast(10.0, slots_full=False, line_blocked=False, waiting=3, **args)
-    assert free.slot_wait_s == 0.0 and free.prefill_s == pytest.approx(2.0)
-    full = forecast.forecast(10.0, slots_full=True, line_blocked=False, waiting=7, **args)
-    assert full.slot_wait_s == pytest.approx(2.0)  # 8 requests ahead of a slot at 4/s
-    assert full.ttft_s == pytest.approx(4.0)
-    behind = forecast.forecast(10.0, slots_full=False, line_blocked=True, waiting=7, **args)
-    assert behind.slot_wait_s == pytest.approx(2.0)
+        head.departed(9.5 + i * 0.1, 0.25)  # each request spent 0.25 s at the head
+    alone = forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **args)
+    assert alone.slot_wait_s == pytest.approx(0.25) and alone.prefill_s == pytest.approx(2.0)
+    behind = forecast.forecast(10.0, waiting=7, current_head_s=0.1, free_slots=math.inf, **args)
+    assert behind.slot_wait_s == pytest.approx(2.0)  # 8 turns at the head of 0.25 s
+    assert behind.ttft_s == pytest.approx(4.0) and behind.raw_s == pytest.approx(4.0)
+    # With every replica at its slot limit, a turn lasts at least until a slot frees: 4
+    # freed in the last second, so 0.25 s each...
+    for i in range(4):
+        freed.add(9.1 + i * 0.25)
+    full = forecast.forecast(10.0, waiting=7, current_head_s=0.0, free_slots=0, **args)
+    assert full.slot_wait_s == pytest.approx(2.0)
+    head.departed(10.0, 0.05)
+    head.departed(10.0, 0.05)  # (however fast recent turns were)
+    assert forecast.forecast(
+        10.0, waiting=7, current_head_s=0.0, free_slots=0, **args
+    ).slot_wait_s == pytest.approx(2.0)
+    # ...and with none freed lately, none will be soon.
+    none_freed = forecast.forecast(20.0, waiting=0, current_head_s=0.0, free_slots=0, **args)
+    assert none_freed.slot_wait_s == math.inf
+
+
+def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wait_for_more():
+    head, freed = HeadOfLineTime(), RateMeter(window_s=2.0)
+    forecast = TTFTForecast(head, freed, PrefillSpeed())
+    head.departed(9.0, 0.1)  # a turn at the head takes 0.1 s while slots are free
+    for i in range(4):
+        freed.add(8.0 + i * 0.5)  # 2 slots freed per second
+    args = dict(current_head_s=0.0, prefill_backlog_tokens=0, prompt_tokens=10)
+    args["prefill_replicas"] = []
+    ahead_fits = forecast.forecast(10.0, waiting=2, free_slots=3, **args)
+    assert ahead_fits.slot_wait_s == pytest.approx(0.3)  # 3 turns, all with a free slot
+    # 7 ahead and 3 free slots: 3 quick turns, then 5 that each wait for a slot to free.
+    behind = forecast.forecast(10.0, waiting=7, free_slots=3, **args)
+    assert behind.slot_wait_s == pytest.approx(3 * 0.1 + 5 * 0.5)
 
 
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replace_it():
-    freed, speed = RateMeter(), PrefillSpeed()
-    forecast = TTFTForecast(freed, speed, percentile=90.0, window_s=10.0, min_samples=10)
+    head, speed = HeadOfLineTime(), PrefillSpeed()
+    forecast = TTFTForecast(
+        head, RateMeter(), speed, percentile=90.0, window_s=10.0, min_samples=10
+    )
     args = dict(
-        slots_full=False, line_blocked=False, waiting=0, prefill_backlog_tokens=0, prompt_tokens=100
+        waiting=0,
+        current_head_s=0.0,
+        free_slots=math.inf,
+        prefill_backlog_tokens=0,
+        prompt_tokens=100,
     )
     cold = forecast.forecast(0.0, prefill_replicas=["p0"], **args)
     assert not cold.informed  # no prefill speed yet: its error would teach nothing
@@ -207,3 +280,28 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replac
     assert forecast.error_s(12.5) == pytest.approx(0.05)
     early = Forecast(slot_wait_s=0.0, prefill_s=0.1, error_s=-0.5)
     assert early.ttft_s == 0.0  # a forecast that overshot never goes below zero
+
+
+def test_ttft_forecast_learns_from_requests_still_late_for_their_first_token():
+    forecast = TTFTForecast(
+        HeadOfLineTime(), RateMeter(), PrefillSpeed(), percentile=90.0, min_samples=10
+    )
+    assert forecast.error_s(0.0) == 0.0
+    forecast.admitted("a", arrival=0.0, forecast_s=0.5)
+    forecast.admitted("b", arrival=0.0, forecast_s=2.0)
+    # Before any first token: a pending request past its forecast is hard evidence.
+    assert forecast.error_s(1.0) == pytest.approx(0.5)  # "a" is 0.5 s late; "b" is not due
+    forecast.first_token("a", now=1.2)
+    assert forecast.error_s(1.2) == 0.0  # one error: too few to trust, and none late now
+    for _ in range(9):
+        forecast.observe(1.2, forecast_s=0.3, measured_s=0.3)
+    assert forecast.error_s(1.2) == pytest.approx(0.0)
+    # Ten on time, then ten admitted requests all still waiting 1 s past their forecast:
+    # the error says so while they wait, not a TTFT later.
+    for i in range(10):
+        forecast.admitted(f"late{i}", arrival=2.0, forecast_s=0.5)
+    assert forecast.error_s(3.5) == pytest.approx(1.0)
+    for i in range(10):
+        forecast.forget(f"late{i}")  # e.g. their clients went away
+    forecast.forget("b")
+    assert forecast.error_s(3.5) == pytest.approx(0.0)
