@@ -10,7 +10,7 @@ Two controls, both fed by what the router itself observes:
   passes the target. It adapts to whatever makes a step slow — batch size, context length,
   a prefill sharing the cores — without a model of any of them.
 - :class:`TTFTForecast`: a new request's time to first token, forecast as its wait in
-  the line for decode capacity (its turn at the head after those ahead; once the free
+  the line for decode capacity (a turn for each request ahead and its own; once the free
   slots are taken, each turn waits for a slot to free) plus the prompt backlog in front of
   it (prompt tokens admitted and still waiting for their first token / the measured speed
   of the pool that computes prompts), corrected by what recent forecasts missed — and by
@@ -177,31 +177,32 @@ class RateMeter:
         return sum(a for _, a in self._events) / span
 
 
-class HeadOfLineTime:
-    """How long a request spends at the head of the line for decode capacity: from reaching
-    the head until its reservation succeeds (the reservation call itself, plus any wait for
-    a slot or for KV to free). Requests behind it wait their turn, so a newcomer with
-    ``waiting`` requests ahead waits about ``(waiting + 1) x`` this.
+class LineTurnTime:
+    """How often the line for decode capacity moves: the time between a request's leaving
+    it with a reservation and the previous one's (or, if it reached the front of the line
+    later, since then). That is the reservation call, plus any wait for a slot or for KV
+    to free, divided by the reservations made side by side. A newcomer with ``waiting``
+    requests ahead waits about ``(waiting + 1) x`` this.
 
     The mean over the departures of the last ``window_s`` (at least the latest
-    ``min_samples``, however old, once seen), and never less than how long the current head
-    has been there: a head stuck behind a full pool says so before it departs."""
+    ``min_samples``, however old, once seen), and never less than the current turn (how
+    long the line has not moved): a line stuck behind a full pool says so before it moves."""
 
     def __init__(self, window_s: float = 5.0, min_samples: int = 5) -> None:
         if window_s <= 0 or min_samples < 1:
-            raise ValueError("HeadOfLineTime needs a positive window and sample count")
+            raise ValueError("LineTurnTime needs a positive window and sample count")
         self.window_s = window_s
         self.min_samples = min_samples
-        self._times: deque[tuple[float, float]] = deque()  # (departed at, seconds at the head)
+        self._times: deque[tuple[float, float]] = deque()  # (departed at, turn in seconds)
 
-    def departed(self, now: float, head_s: float) -> None:
-        self._times.append((now, max(0.0, head_s)))
+    def departed(self, now: float, turn_s: float) -> None:
+        self._times.append((now, max(0.0, turn_s)))
 
-    def mean_s(self, now: float, current_head_s: float = 0.0) -> float:
+    def mean_s(self, now: float, current_turn_s: float = 0.0) -> float:
         while len(self._times) > self.min_samples and self._times[0][0] < now - self.window_s:
             self._times.popleft()
         mean = sum(t for _, t in self._times) / len(self._times) if self._times else 0.0
-        return max(mean, current_head_s)
+        return max(mean, current_turn_s)
 
 
 class PrefillSpeed:
@@ -258,9 +259,8 @@ class Forecast:
 class TTFTForecast:
     """Forecasts a new request's TTFT from the router's queues and measured speeds.
 
-    ``slot_wait_s``: the wait in the line for decode capacity, ``(waiting + 1)`` times the
-    time a request spends at its head (:class:`HeadOfLineTime`: the reservation call, and
-    any wait for a slot or KV to free). The ``free_slots`` under the replicas' slot limits
+    ``slot_wait_s``: the wait in the line for decode capacity, ``(waiting + 1)`` turns
+    (:class:`LineTurnTime`: how often the line moves). The ``free_slots`` under the replicas' slot limits
     go to the first in line; every turn after them also takes at least the time between
     two slots freeing (``slots_freed``), and with none freed lately the wait is infinite:
     nothing suggests a slot frees in time.
@@ -287,7 +287,7 @@ class TTFTForecast:
 
     def __init__(
         self,
-        head_time: HeadOfLineTime,
+        turn_time: LineTurnTime,
         slots_freed: RateMeter,
         prefill_speed: PrefillSpeed,
         *,
@@ -296,7 +296,7 @@ class TTFTForecast:
         min_samples: int = 10,
         cold_tokens: float = 4096.0,
     ) -> None:
-        self.head_time = head_time
+        self.turn_time = turn_time
         self.slots_freed = slots_freed
         self.prefill_speed = prefill_speed
         self.percentile = percentile
@@ -345,16 +345,16 @@ class TTFTForecast:
         now: float,
         *,
         waiting: int,
-        current_head_s: float,
+        current_turn_s: float,
         free_slots: float,
         prefill_backlog_tokens: int,
         prompt_tokens: int,
         prefill_replicas: list[str],
     ) -> Forecast:
-        """``waiting``: requests in the line for decode capacity; ``current_head_s``: how
-        long its head has been there (0 with no line); ``free_slots``: how many more
+        """``waiting``: requests in the line for decode capacity; ``current_turn_s``: how
+        long the line has not moved (0 with no line); ``free_slots``: how many more
         requests the replicas' slot limits let in now."""
-        turn = self.head_time.mean_s(now, current_head_s)
+        turn = self.turn_time.mean_s(now, current_turn_s)
         turns_for_a_slot = max(0, waiting + 1 - free_slots)
         slot_wait = (waiting + 1 - turns_for_a_slot) * turn
         if turns_for_a_slot:

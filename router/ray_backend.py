@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -47,7 +48,7 @@ from router.admission import (
     TTFT_HEADROOM,
     DecodeSlotLimit,
     Forecast,
-    HeadOfLineTime,
+    LineTurnTime,
     PrefillSpeed,
     RateMeter,
     SLOTargets,
@@ -69,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.05
 LINE_BLOCKED_MEMORY_S = 1.0  # the line counts as blocked this long after a head found no room
+# While the line is not blocked, this many at its front reserve side by side (each call
+# waits for the decode engine's current step, so one at a time caps the line at about one
+# reservation per step); once blocked, only the head retries.
+PARALLEL_RESERVATIONS = 8
 # With nothing admitted for this long, a request its queues say is fast is let in even if
 # the learned forecast error says no: the error is learned only from admitted requests, so
 # a stale bad stretch would otherwise refuse everything until it aged out of the window.
@@ -102,7 +107,7 @@ class _Place:
 
     worker_rid: str
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    head_since: float | None = None  # when it reached the head of the line
+    turn_since: float | None = None  # when it first got to try to reserve
 
 
 class RayBackend(Backend):
@@ -143,18 +148,20 @@ class RayBackend(Backend):
         self.retries_total = 0
         self.migrations_total = 0
         # Requests waiting for decode capacity, first come first served (retries of admitted
-        # requests go to the front). Only the head tries to reserve; freed capacity wakes it.
+        # requests go to the front). Only its front tries to reserve (the head alone while
+        # it finds no capacity); freed capacity wakes it.
         self._line: deque[_Place] = deque()
         self._line_blocked_at = -math.inf  # when its head last found no capacity
+        self._line_moved_at = -math.inf  # when a request last left it with a reservation
         self._last_slo_admission = -math.inf
         # SLO-aware admission (None: static limits only).
         self.slo = slo if self.limits.slo_admission else None
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
-        self.head_time = HeadOfLineTime()
+        self.turn_time = LineTurnTime()
         self.slots_freed = RateMeter()
         self.prefill_speed = PrefillSpeed()
         self.ttft_forecast = TTFTForecast(
-            self.head_time,
+            self.turn_time,
             self.slots_freed,
             self.prefill_speed,
             percentile=self.slo.percentile if self.slo else 90.0,
@@ -456,25 +463,25 @@ class RayBackend(Backend):
             self._line.append(place)
         try:
             while True:
-                if self._line[0] is place:
-                    if place.head_since is None:
-                        place.head_since = time.monotonic()
+                if place in itertools.islice(self._line, self._reserving_now()):
+                    if place.turn_since is None:
+                        place.turn_since = time.monotonic()
                     place.wake.clear()
                     reserved = await self._try_reserve(request, worker_rid, slo is not None)
                     if reserved is None:
                         self._line_blocked_at = time.monotonic()
                     if reserved is not None:
-                        self.head_time.departed(time.monotonic(), self._at_head_s(place))
+                        self._line_moved(place)
                         return reserved
                 if time.monotonic() > deadline:
-                    if place.head_since is not None:  # its turn at the head counts too
-                        self.head_time.departed(time.monotonic(), self._at_head_s(place))
+                    if place.turn_since is not None:  # its turn counts too
+                        self._line_moved(place)
                     raise Overloaded(
                         f"no {self.decode_pool} replica had capacity within "
                         f"{limits.queue_timeout_s:.0f}s",
                         retry_after_s=1.0,
                     )
-                # Wait for a request to finish somewhere or to reach the head (or re-check
+                # Wait for a request to finish somewhere or to reach the front (or re-check
                 # shortly: KV also frees on the workers' own account).
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(place.wake.wait(), timeout=0.05)
@@ -495,14 +502,29 @@ class RayBackend(Backend):
                 f"{self.kv_cache_tokens}"
             )
 
-    def _wake_head_of_line(self) -> None:
-        if self._line:
-            self._line[0].wake.set()
+    def _reserving_now(self) -> int:
+        """How many at the front of the line may try to reserve now."""
+        blocked = time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
+        return 1 if blocked else PARALLEL_RESERVATIONS
 
-    @staticmethod
-    def _at_head_s(place: _Place) -> float:
-        """How long ``place`` has been at the head of the line (0 if it never got there)."""
-        return 0.0 if place.head_since is None else time.monotonic() - place.head_since
+    def _wake_head_of_line(self) -> None:
+        for place in itertools.islice(self._line, self._reserving_now()):
+            place.wake.set()
+
+    def _line_moved(self, place: _Place) -> None:
+        """``place`` leaves the line after its turn: since the line last moved, or since it
+        got to try if that was later."""
+        now = time.monotonic()
+        self.turn_time.departed(now, now - max(self._line_moved_at, place.turn_since or now))
+        self._line_moved_at = now
+
+    def _current_turn_s(self) -> float:
+        """How long the line has not moved while its front tries (0 with no line)."""
+        started = [p.turn_since for p in self._line if p.turn_since is not None]
+        if not started:
+            return 0.0
+        now = time.monotonic()
+        return now - max(self._line_moved_at, min(started))
 
     @property
     def _prefill_pool(self) -> str:
@@ -523,7 +545,7 @@ class RayBackend(Backend):
         forecast = self.ttft_forecast.forecast(
             time.monotonic(),
             waiting=self.waiting,
-            current_head_s=self._at_head_s(self._line[0]) if self._line else 0.0,
+            current_turn_s=self._current_turn_s(),
             free_slots=sum(self._free_slots(r) for r in candidates),
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
@@ -570,6 +592,8 @@ class RayBackend(Backend):
         if within_slots:
             candidates = [r for r in candidates if self._free_slots(r) > 0]
         for replica in candidates:
+            # Counted from now, so that reservations made side by side respect the limit.
+            replica.in_flight += 1
             try:
                 if self.colocated:
                     await replica.handle.submit.remote(
@@ -580,7 +604,10 @@ class RayBackend(Backend):
                     reservation = await replica.handle.reserve.remote(
                         worker_rid, request.prompt_token_ids, request.params
                     )
-            except Exception as err:  # noqa: BLE001 - sorted by kind below
+            except BaseException as err:  # noqa: BLE001 - sorted by kind below
+                replica.in_flight -= 1
+                if not isinstance(err, Exception):
+                    raise  # cancelled: the client went away
                 if _is(err, NoCapacityError):
                     if replica.name in self.slot_limits:
                         self.slot_limits[replica.name].full_at(replica.in_flight)
@@ -591,7 +618,6 @@ class RayBackend(Backend):
                     replica.alive = False
                     continue
                 raise
-            replica.in_flight += 1
             self._owner[worker_rid] = replica.name
             return replica, reservation
         return None

@@ -44,7 +44,15 @@ def wait_idle(cluster, timeout_s: float = 20.0) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    running = start({"engine": ENGINE, "kv": {"wire_dtype": "passthrough"}})
+    # Dataflow tests: every request is served however long it queues for the small KV
+    # cache (SLO admission would refuse part of a 64-request burst; test_faults tests it).
+    running = start(
+        {
+            "engine": ENGINE,
+            "kv": {"wire_dtype": "passthrough"},
+            "router": {"limits": {"slo_admission": False}},
+        }
+    )
     yield running
     stop_cluster(running)
 

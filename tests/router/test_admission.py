@@ -10,7 +10,7 @@ from router.admission import (
     HEADROOM,
     DecodeSlotLimit,
     Forecast,
-    HeadOfLineTime,
+    LineTurnTime,
     PrefillSpeed,
     RateMeter,
     SLOTargets,
@@ -151,17 +151,17 @@ def test_rate_meter_counts_a_sliding_window():
 
 
 def test_head_of_line_time_is_a_recent_mean_and_at_least_the_current_heads_wait():
-    head = HeadOfLineTime(window_s=5.0, min_samples=2)
+    head = LineTurnTime(window_s=5.0, min_samples=2)
     assert head.mean_s(0.0) == 0.0  # nothing seen
-    assert head.mean_s(0.0, current_head_s=0.3) == 0.3  # a head already stuck that long
+    assert head.mean_s(0.0, current_turn_s=0.3) == 0.3  # a head already stuck that long
     for t in range(10):
         head.departed(float(t), 0.1 if t < 6 else 0.5)
     assert head.mean_s(9.0) == pytest.approx((2 * 0.1 + 4 * 0.5) / 6)  # departures at 4..9
-    assert head.mean_s(9.0, current_head_s=2.0) == 2.0  # the current head waits longer
+    assert head.mean_s(9.0, current_turn_s=2.0) == 2.0  # the current head waits longer
     # Long after, the latest ``min_samples`` still count: nothing newer is known.
     assert head.mean_s(100.0) == pytest.approx(0.5)
     with pytest.raises(ValueError):
-        HeadOfLineTime(window_s=0)
+        LineTurnTime(window_s=0)
 
 
 def test_prefill_speed_from_cumulative_counters():
@@ -185,59 +185,59 @@ def test_prefill_speed_from_cumulative_counters():
 
 
 def test_ttft_forecast_adds_the_wait_in_line_and_the_prefill_backlog():
-    head, freed, speed = HeadOfLineTime(), RateMeter(window_s=1.0), PrefillSpeed()
+    head, freed, speed = LineTurnTime(), RateMeter(window_s=1.0), PrefillSpeed()
     forecast = TTFTForecast(head, freed, speed)
     args = dict(prefill_backlog_tokens=3000, prompt_tokens=1000, prefill_replicas=["p0"])
     # Nothing measured yet: no wait in line and no prefill term...
     assert (
-        forecast.forecast(10.0, waiting=50, current_head_s=0.0, free_slots=math.inf, **args).ttft_s
+        forecast.forecast(10.0, waiting=50, current_turn_s=0.0, free_slots=math.inf, **args).ttft_s
         == 0.0
     )
     # ...nor for a few batches of prompts (up to ``cold_tokens``)...
     cold = dict(args, prefill_backlog_tokens=4000, prompt_tokens=96)
     assert (
-        forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **cold).ttft_s
+        forecast.forecast(10.0, waiting=0, current_turn_s=0.0, free_slots=math.inf, **cold).ttft_s
         == 0
     )
     # ...but a cold start's burst past them is not taken on trust...
     cold["prompt_tokens"] = 97
-    burst = forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **cold)
+    burst = forecast.forecast(10.0, waiting=0, current_turn_s=0.0, free_slots=math.inf, **cold)
     assert burst.prefill_s == math.inf
     # ...and a head already stuck at the line says how long each one ahead may take.
-    stuck = forecast.forecast(10.0, waiting=4, current_head_s=0.5, free_slots=math.inf, **args)
+    stuck = forecast.forecast(10.0, waiting=4, current_turn_s=0.5, free_slots=math.inf, **args)
     assert stuck.slot_wait_s == pytest.approx(2.5)
     speed.update("p0", 0, 0.0)
     speed.update("p0", 2000, 1.0)  # 2000 prompt tokens per busy second
     for i in range(4):
         head.departed(9.5 + i * 0.1, 0.25)  # each request spent 0.25 s at the head
-    alone = forecast.forecast(10.0, waiting=0, current_head_s=0.0, free_slots=math.inf, **args)
+    alone = forecast.forecast(10.0, waiting=0, current_turn_s=0.0, free_slots=math.inf, **args)
     assert alone.slot_wait_s == pytest.approx(0.25) and alone.prefill_s == pytest.approx(2.0)
-    behind = forecast.forecast(10.0, waiting=7, current_head_s=0.1, free_slots=math.inf, **args)
+    behind = forecast.forecast(10.0, waiting=7, current_turn_s=0.1, free_slots=math.inf, **args)
     assert behind.slot_wait_s == pytest.approx(2.0)  # 8 turns at the head of 0.25 s
     assert behind.ttft_s == pytest.approx(4.0) and behind.raw_s == pytest.approx(4.0)
     # With every replica at its slot limit, a turn lasts at least until a slot frees: 4
     # freed in the last second, so 0.25 s each...
     for i in range(4):
         freed.add(9.1 + i * 0.25)
-    full = forecast.forecast(10.0, waiting=7, current_head_s=0.0, free_slots=0, **args)
+    full = forecast.forecast(10.0, waiting=7, current_turn_s=0.0, free_slots=0, **args)
     assert full.slot_wait_s == pytest.approx(2.0)
     head.departed(10.0, 0.05)
     head.departed(10.0, 0.05)  # (however fast recent turns were)
     assert forecast.forecast(
-        10.0, waiting=7, current_head_s=0.0, free_slots=0, **args
+        10.0, waiting=7, current_turn_s=0.0, free_slots=0, **args
     ).slot_wait_s == pytest.approx(2.0)
     # ...and with none freed lately, none will be soon.
-    none_freed = forecast.forecast(20.0, waiting=0, current_head_s=0.0, free_slots=0, **args)
+    none_freed = forecast.forecast(20.0, waiting=0, current_turn_s=0.0, free_slots=0, **args)
     assert none_freed.slot_wait_s == math.inf
 
 
 def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wait_for_more():
-    head, freed = HeadOfLineTime(), RateMeter(window_s=2.0)
+    head, freed = LineTurnTime(), RateMeter(window_s=2.0)
     forecast = TTFTForecast(head, freed, PrefillSpeed())
     head.departed(9.0, 0.1)  # a turn at the head takes 0.1 s while slots are free
     for i in range(4):
         freed.add(8.0 + i * 0.5)  # 2 slots freed per second
-    args = dict(current_head_s=0.0, prefill_backlog_tokens=0, prompt_tokens=10)
+    args = dict(current_turn_s=0.0, prefill_backlog_tokens=0, prompt_tokens=10)
     args["prefill_replicas"] = []
     ahead_fits = forecast.forecast(10.0, waiting=2, free_slots=3, **args)
     assert ahead_fits.slot_wait_s == pytest.approx(0.3)  # 3 turns, all with a free slot
@@ -247,13 +247,13 @@ def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wa
 
 
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replace_it():
-    head, speed = HeadOfLineTime(), PrefillSpeed()
+    head, speed = LineTurnTime(), PrefillSpeed()
     forecast = TTFTForecast(
         head, RateMeter(), speed, percentile=90.0, window_s=10.0, min_samples=10
     )
     args = dict(
         waiting=0,
-        current_head_s=0.0,
+        current_turn_s=0.0,
         free_slots=math.inf,
         prefill_backlog_tokens=0,
         prompt_tokens=100,
@@ -284,7 +284,7 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replac
 
 def test_ttft_forecast_learns_from_requests_still_late_for_their_first_token():
     forecast = TTFTForecast(
-        HeadOfLineTime(), RateMeter(), PrefillSpeed(), percentile=90.0, min_samples=10
+        LineTurnTime(), RateMeter(), PrefillSpeed(), percentile=90.0, min_samples=10
     )
     assert forecast.error_s(0.0) == 0.0
     forecast.admitted("a", arrival=0.0, forecast_s=0.5)

@@ -30,8 +30,10 @@ class _Method:
 class FakeDecode:
     """Takes ``capacity`` requests at once; each emits one token per poll once prefilled."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, reserve_s: float = 0.0) -> None:
         self.capacity = capacity
+        self.reserve_s = reserve_s  # how long a reservation call takes
+        self.reserving = self.most_reserving = 0  # calls in progress at once
         self.reserved: list[str] = []  # reservation order
         self.left: dict[str, int] = {}  # request → tokens still to emit
         self.prefilled: set[str] = set()
@@ -41,6 +43,12 @@ class FakeDecode:
         self.stats = _Method(self._stats)
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> dict:
+        self.reserving += 1
+        self.most_reserving = max(self.most_reserving, self.reserving)
+        try:
+            await asyncio.sleep(self.reserve_s)
+        finally:
+            self.reserving -= 1
         if len(self.left) >= self.capacity:
             raise NoCapacityError("full")
         self.reserved.append(rid)
@@ -90,7 +98,10 @@ class FakePrefill:
 
 
 def make_backend(
-    capacity: int, slo: SLOTargets | None = None, kv_cache_tokens: int | None = None
+    capacity: int,
+    slo: SLOTargets | None = None,
+    kv_cache_tokens: int | None = None,
+    reserve_s: float = 0.0,
 ) -> tuple[RayBackend, FakeDecode]:
     backend = RayBackend(
         model_name="fake",
@@ -102,7 +113,7 @@ def make_backend(
         slo=slo,
         kv_cache_tokens=kv_cache_tokens,
     )
-    decode = FakeDecode(capacity)
+    decode = FakeDecode(capacity, reserve_s)
     backend.add_replica("decode-0", "decode", decode)
     backend.add_replica("prefill-0", "prefill", FakePrefill(decode))
     return backend, decode
@@ -140,6 +151,33 @@ def test_requests_waiting_for_capacity_are_served_first_come_first_served():
     assert reserved == ["r0#0", "r1#0", "r2#0", "r3#0", "late#0"]
     assert all(len(tokens) == 20 for tokens in outputs)
     assert waiting == 0
+
+
+def test_the_front_of_the_line_reserves_side_by_side_until_it_finds_no_capacity():
+    import router.ray_backend as ray_backend
+
+    async def run():
+        backend, decode = make_backend(capacity=12, reserve_s=0.1)
+        await backend.start()
+        started = time.monotonic()
+        burst = [asyncio.create_task(drain(backend, request(f"r{i}", 50))) for i in range(16)]
+        while len(decode.reserved) < 12:
+            await asyncio.sleep(0.005)
+        twelve_in_s = time.monotonic() - started
+        await asyncio.sleep(0.3)  # 4 left in line, the pool full: only the head retries
+        most_while_full = decode.reserving
+        outputs = await asyncio.gather(*burst)
+        await backend.stop()
+        return twelve_in_s, decode, most_while_full, outputs, backend
+
+    twelve_in_s, decode, most_while_full, outputs, backend = asyncio.run(run())
+    # 8 calls at once: 12 reservations of 0.1 s each take two rounds, not 1.2 s.
+    assert decode.most_reserving == ray_backend.PARALLEL_RESERVATIONS
+    assert twelve_in_s < 0.6
+    assert most_while_full <= 1
+    assert sorted(decode.reserved) == sorted(f"r{i}#0" for i in range(16))
+    assert all(len(tokens) == 50 for tokens in outputs)
+    assert backend.replicas.by_name["decode-0"].in_flight == 0
 
 
 def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees():
