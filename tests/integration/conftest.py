@@ -35,11 +35,21 @@ def GRPC_PORT():  # noqa: N802
     return free_port() if importlib.util.find_spec("router.grpc_api") else None
 
 
-def start(config_dict: dict):
-    """Start a cluster from a config dict on the session's Ray, with free ports."""
+def start(config_dict: dict, attempts: int = 3):
+    """Start a cluster from a config dict on the session's Ray, with free ports. A port
+    found free can be taken by another process (Ray starts many) before the router binds
+    it: then it starts again on fresh ports."""
     from cluster.config import ClusterConfig
     from cluster.launcher import start_cluster
 
-    router = {"port": free_port(), "grpc_port": GRPC_PORT(), **config_dict.pop("router", {})}
-    config = ClusterConfig.from_dict({**config_dict, "router": router})
-    return start_cluster(config)
+    router_overrides = config_dict.pop("router", {})
+    for attempt in range(attempts):
+        router = {"port": free_port(), "grpc_port": GRPC_PORT(), **router_overrides}
+        config = ClusterConfig.from_dict({**config_dict, "router": router})
+        try:
+            return start_cluster(config)
+        except Exception as err:
+            if "Failed to bind" not in str(err) and "address already in use" not in str(err):
+                raise
+            if attempt == attempts - 1:
+                raise
