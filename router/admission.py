@@ -260,10 +260,10 @@ class TTFTForecast:
     """Forecasts a new request's TTFT from the router's queues and measured speeds.
 
     ``slot_wait_s``: the wait in the line for decode capacity, ``(waiting + 1)`` turns
-    (:class:`LineTurnTime`: how often the line moves). The ``free_slots`` under the replicas' slot limits
-    go to the first in line; every turn after them also takes at least the time between
-    two slots freeing (``slots_freed``), and with none freed lately the wait is infinite:
-    nothing suggests a slot frees in time.
+    (:class:`LineTurnTime`: how often the line moves). The ``free_slots`` under the
+    replicas' slot limits go to the first in line; every turn after them also takes at least
+    the time between two slots freeing (``slots_freed``), and with none freed lately the
+    wait is infinite: nothing suggests a slot frees in time.
     ``prefill_s``: the prompt tokens admitted and still waiting for their first token, plus
     this prompt, over the pool's speed. Until that speed is measured (the first half second
     of work), a backlog of up to ``cold_tokens`` forecasts 0 and more is refused: a burst
