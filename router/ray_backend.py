@@ -377,7 +377,7 @@ class RayBackend(Backend):
             if decode is not None:
                 decode.in_flight -= 1
                 self.slots_freed.add(time.monotonic())
-                self._wake_head_of_line()
+                self._wake_front_of_line()
                 if not finished and decode.alive:
                     decode.handle.cancel.remote(worker_rid)
             if prefill_task is not None and not prefill_task.done():
@@ -487,7 +487,7 @@ class RayBackend(Backend):
                     await asyncio.wait_for(place.wake.wait(), timeout=0.05)
         finally:
             self._line.remove(place)
-            self._wake_head_of_line()
+            self._wake_front_of_line()
 
     def _check_fits_kv_cache(self, request: GenerateRequest) -> None:
         """The decode worker's own check, made here first so that load cannot turn a request
@@ -507,7 +507,7 @@ class RayBackend(Backend):
         blocked = time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
         return 1 if blocked else PARALLEL_RESERVATIONS
 
-    def _wake_head_of_line(self) -> None:
+    def _wake_front_of_line(self) -> None:
         for place in itertools.islice(self._line, self._reserving_now()):
             place.wake.set()
 
