@@ -19,6 +19,21 @@ def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return hash((parent, tuple(token_ids)))
 
 
+def kv_cache_misfit(
+    prompt_len: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int
+) -> str | None:
+    """Why a request can never fit a KV cache of ``num_blocks`` blocks, or None if it can:
+    it may need up to its prompt plus ``max_tokens`` tokens (at most ``max_model_len``), in
+    whole blocks. The engine's check, and the router's before admission."""
+    longest = min(prompt_len + max_tokens, max_model_len)
+    if -(-longest // block_size) > num_blocks:
+        return (
+            f"request needs up to {longest} tokens of KV cache but the cache holds "
+            f"{num_blocks * block_size}"
+        )
+    return None
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 

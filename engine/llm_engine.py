@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.checkpoint import model_config_for, open_model
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -101,12 +101,15 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model's limit is {self.max_model_len} "
                 "including at least one generated token"
             )
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"request needs up to {longest} tokens of KV cache but the cache holds "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
-            )
+        misfit = kv_cache_misfit(
+            len(ids),
+            params.max_tokens,
+            self.max_model_len,
+            self.block_manager.block_size,
+            self.block_manager.num_blocks,
+        )
+        if misfit is not None:
+            raise InvalidRequestError(misfit)
         for t in params.stop_token_ids:
             if t >= self.model_config.vocab_size:
                 raise InvalidRequestError(f"stop_token_ids entry {t} is outside the vocabulary")

@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 
+from engine.block_manager import kv_cache_misfit
 from engine.errors import InvalidRequestError
 from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
@@ -494,13 +495,15 @@ class RayBackend(Backend):
         that can never be served into a 429."""
         if self.kv_cache_tokens is None:
             return
-        longest = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
-        blocks = -(-longest // self.block_size)
-        if blocks * self.block_size > self.kv_cache_tokens:
-            raise RequestRejected(
-                f"request needs up to {longest} tokens of KV cache but the cache holds "
-                f"{self.kv_cache_tokens}"
-            )
+        misfit = kv_cache_misfit(
+            len(request.prompt_token_ids),
+            request.params.max_tokens,
+            self.max_model_len,
+            self.block_size,
+            self.kv_cache_tokens // self.block_size,
+        )
+        if misfit is not None:
+            raise RequestRejected(misfit)
 
     def _reserving_now(self) -> int:
         """How many at the front of the line may try to reserve now."""

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.errors import EngineError
 
 
@@ -105,3 +105,12 @@ def test_prefix_caching_off_shares_nothing():
     table, _ = bm.allocate(prompt)
     bm.register_full_blocks(table, prompt, 40)
     assert bm.allocate(prompt)[1] == 0
+
+
+def test_kv_cache_misfit_counts_whole_blocks_up_to_the_model_limit():
+    # 4 blocks of 16 tokens: 60 prompt + 4 new = 64 fits, one more token does not.
+    assert kv_cache_misfit(60, 4, 1024, 16, 4) is None
+    assert kv_cache_misfit(60, 5, 1024, 16, 4) == (
+        "request needs up to 65 tokens of KV cache but the cache holds 64"
+    )
+    assert kv_cache_misfit(60, 500, 64, 16, 4) is None  # never past max_model_len
