@@ -425,8 +425,12 @@ class RayBackend(Backend):
         """Requests in line while the line is blocked lately (its head found no decode
         capacity): a full decode pool. Requests merely queued behind a reservation call in
         flight do not count."""
-        blocked = time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
-        return self.waiting if blocked else 0
+        return self.waiting if self._line_blocked else 0
+
+    @property
+    def _line_blocked(self) -> bool:
+        """Whether the line's head found no decode capacity within LINE_BLOCKED_MEMORY_S."""
+        return time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
 
     # ---- admission and dispatch -----------------------------------------------------------
     async def _reserve(
@@ -507,8 +511,7 @@ class RayBackend(Backend):
 
     def _reserving_now(self) -> int:
         """How many at the front of the line may try to reserve now."""
-        blocked = time.monotonic() - self._line_blocked_at < LINE_BLOCKED_MEMORY_S
-        return 1 if blocked else PARALLEL_RESERVATIONS
+        return 1 if self._line_blocked else PARALLEL_RESERVATIONS
 
     def _wake_front_of_line(self) -> None:
         for place in itertools.islice(self._line, self._reserving_now()):
