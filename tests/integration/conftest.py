@@ -49,7 +49,6 @@ def start(config_dict: dict, attempts: int = 3):
         try:
             return start_cluster(config)
         except Exception as err:
-            if "Failed to bind" not in str(err) and "address already in use" not in str(err):
-                raise
-            if attempt == attempts - 1:
+            port_taken = "Failed to bind" in str(err) or "address already in use" in str(err)
+            if not port_taken or attempt == attempts - 1:
                 raise
