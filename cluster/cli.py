@@ -6,18 +6,29 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
+from engine.named_models import DEFAULT_MODEL, NAMED_MODELS
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
 
+MODEL_HELP = (
+    f"a named model ({', '.join(sorted(NAMED_MODELS))}; default {DEFAULT_MODEL}, pulled "
+    "when missing), a Hugging Face checkpoint directory, a .gguf file, or 'tiny' (random "
+    "weights, for tests)"
+)
+
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline with the engine (no cluster)")
-    p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user message (chat template)"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -54,12 +65,16 @@ def _run_generate(args) -> int:
         device=args.device,
         progress=not args.json,
     )
-    for output in llm.generate(args.prompt, params):
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in args.prompt]
+    for text, output in zip(args.prompt, llm.generate(prompts, params), strict=True):
+        shown = output.prompt if output.prompt is not None else text
         if args.json:
             print(json.dumps({"model": args.model, **output.to_dict()}))
         else:
             print(
-                f"{output.prompt!r} -> {output.text!r}  [{len(output.token_ids)} tokens, {output.finish_reason}]"
+                f"{shown!r} -> {output.text!r}  [{len(output.token_ids)} tokens, {output.finish_reason}]"
             )
     return 0
 
@@ -70,7 +85,7 @@ def _add_bench(sub) -> None:
     )
     benches = p.add_subparsers(dest="bench", required=True)
     engine = benches.add_parser("engine", help="prefill and decode tokens/s vs transformers")
-    engine.add_argument("--model", default="tiny")
+    engine.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     engine.add_argument("--concurrency", default="1,8,32", help="comma-separated sequence counts")
     engine.add_argument("--prompt-len", type=int, default=128)
     engine.add_argument("--output-len", type=int, default=64)
@@ -103,7 +118,8 @@ def _run_bench_engine(args) -> int:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a model on Ray (default: tiny, 1 prefill + 1 decode actor, local Ray)"
+        "serve",
+        help=f"serve a model on Ray (default: {DEFAULT_MODEL}, 1 prefill + 1 decode actor, local Ray)",
     )
     p.add_argument("--config", help="cluster config YAML (see cluster/configs/)")
     p.add_argument(
@@ -114,7 +130,12 @@ def _add_serve(sub) -> None:
         choices=["disaggregated", "colocated"],
         help="colocated: the baseline, both phases per replica",
     )
-    p.add_argument("--model", help="checkpoint directory or 'tiny'")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument(
+        "--served-model-name",
+        help="the name clients use (/v1/models, the 'model' field); default: the model's name "
+        "or the checkpoint's base name",
+    )
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC API port (default 50051)")
@@ -150,6 +171,9 @@ def serve_config(args) -> ClusterConfig:
     data.setdefault("engine", {})
     if args.model:
         data["model"] = args.model
+    if "model" in data and Path(str(data["model"])).exists():
+        # Actors resolve the path from their own working directory.
+        data["model"] = str(Path(str(data["model"])).resolve())
     if args.mode:
         data["mode"] = args.mode
     for flag, key in (
@@ -157,6 +181,7 @@ def serve_config(args) -> ClusterConfig:
         ("port", "port"),
         ("grpc_port", "grpc_port"),
         ("api_key", "api_key"),
+        ("served_model_name", "served_model_name"),
     ):
         if getattr(args, flag) is not None:
             data["router"][key] = getattr(args, flag)
@@ -185,11 +210,13 @@ def _run_serve(args) -> int:
 
     prepare_ray_environment(args.address)
     from cluster.launcher import start_cluster, stop_cluster
+    from engine.checkpoint import local_path
     from engine.tiny import TINY_NAME, TINY_NOTE
 
     config = serve_config(args)
     if config.model == TINY_NAME:
         print(f"note: {TINY_NOTE}", file=sys.stderr)
+    local_path(config.model)  # a named model is pulled here, once, before any actor needs it
     print(
         f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True
     )
@@ -219,6 +246,20 @@ def _run_serve(args) -> int:
     return 0
 
 
+def _add_pull(sub) -> None:
+    p = sub.add_parser("pull", help="fetch a named model into the model cache")
+    p.add_argument("name", choices=sorted(NAMED_MODELS), help="the model's name")
+    p.add_argument("--force", action="store_true", help="fetch again even when cached")
+    p.set_defaults(func=_run_pull)
+
+
+def _run_pull(args) -> int:
+    from engine.named_models import pull
+
+    print(pull(args.name, force=args.force))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.client import add_submit_parser
 
     _add_serve(sub)
+    _add_pull(sub)
     add_submit_parser(sub)
     add_status_parser(sub)
     from cluster.simulator.cli import add_plan_parser, add_simulate_parser

@@ -12,6 +12,7 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.named_models import DEFAULT_MODEL
 from engine.worker_options import KVTransferOptions, WorkerOptions
 from router.config import RouterConfig, RouterLimits
 
@@ -109,7 +110,7 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str = "tiny"
+    model: str = DEFAULT_MODEL
     mode: str = "disaggregated"  # or colocated
     engine: dict = field(default_factory=dict)  # EngineConfig fields shared by every pool
     prefill: PoolConfig = field(default_factory=PoolConfig)

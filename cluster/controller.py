@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cluster.config import ClusterConfig
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
+from engine.errors import EngineError
 from prefill_worker.worker import PrefillWorker
 from router.actor import RouterActor
 
@@ -57,6 +59,21 @@ class ControllerEvent:
     time: float
     kind: str  # scale | replace | drain | stop | error
     message: str
+
+
+class ClusterStartError(EngineError):
+    """The cluster could not start (a worker failed to load its model, say)."""
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost error of a Ray failure chain, as 'Kind: message' (Ray wraps an actor's
+    own exception in RayTaskError / ActorDiedError layers with tracebacks)."""
+    while getattr(err, "cause", None) is not None and err.cause is not err:
+        err = err.cause
+    if isinstance(err, ray.exceptions.RayError):  # the cause survives only as text
+        last = str(err).strip().splitlines()[-1]
+        return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", last)  # engine.errors.X: → X:
+    return f"{type(err).__name__}: {err}"
 
 
 class Controller:
@@ -135,7 +152,10 @@ class Controller:
         return record
 
     async def _wait_ready(self, record: ReplicaRecord) -> None:
-        await record.handle.info.remote()  # returns once the model is loaded
+        try:
+            await record.handle.info.remote()  # returns once the model is loaded
+        except ray.exceptions.RayActorError as err:
+            raise ClusterStartError(f"{record.name} could not start: {root_cause(err)}") from None
         record.state = "ready"
         record.ready_at = time.monotonic()
 

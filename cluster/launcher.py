@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import RayTaskError
 
 from cluster.config import ClusterConfig
-from cluster.controller import Controller
+from cluster.controller import ClusterStartError, Controller
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,9 @@ def start_cluster(config: ClusterConfig, address: str | None = None) -> RunningC
             .remote(config)
         )
         running.urls = ray.get(running.controller.start.remote())
+    except ClusterStartError as err:  # raised in the controller, re-raised here by Ray
+        stop_cluster(running)
+        raise ClusterStartError(str(err.cause if isinstance(err, RayTaskError) else err)) from None
     except BaseException:
         stop_cluster(running)
         raise

@@ -1,4 +1,5 @@
-"""Opens a model by name: a Hugging Face checkpoint directory, or the built-in `tiny`."""
+"""Opens a model by what the user named: a Hugging Face checkpoint directory, a .gguf file, a
+named model (``smollm2-135m``, pulled into the model cache when missing), or ``tiny``."""
 
 from __future__ import annotations
 
@@ -6,34 +7,70 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loader import load_model, read_model_config
+from engine import named_models
+from engine.errors import CheckpointError
+from engine.gguf_file import GGUFFile
+from engine.loader import load_gguf_model, load_model, read_model_config
 from engine.model import LlamaModel
 from engine.tiny import TINY_CONFIG, TINY_NAME, build_tiny_model, tiny_tokenizer
 from engine.tokenizer import HFTokenizer, Tokenizer
 
 
-def model_config_for(source: str | Path) -> ModelConfig:
-    return TINY_CONFIG if str(source) == TINY_NAME else read_model_config(source)
+def local_path(source: str | Path) -> Path:
+    """The file or directory a source names (a named model resolves to its cached file,
+    pulled first when missing); raises CheckpointError when there is none."""
+    if named_models.is_named_model(source):
+        return named_models.resolve(str(source))
+    path = Path(source)
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is neither a checkpoint directory nor a .gguf file")
+    raise CheckpointError(
+        f"model {str(source)!r} not found: give a checkpoint directory, a .gguf file, "
+        f"'{TINY_NAME}', or a named model ({', '.join(sorted(named_models.NAMED_MODELS))})"
+    )
 
 
-def open_model(
-    source: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_positions: int,
-    *,
-    progress: bool = True,
-) -> tuple[LlamaModel, Tokenizer]:
-    if str(source) == TINY_NAME:
-        return build_tiny_model(dtype, device, max_positions), tiny_tokenizer()
-    config = read_model_config(source)
-    tokenizer = HFTokenizer(source, eos_token_ids=config.eos_token_ids)
-    return load_model(source, dtype, device, max_positions, progress=progress), tokenizer
+def served_name(source: str | Path) -> str:
+    """What clients call the model by default: its name, or the directory's or file's base
+    name (never an absolute path)."""
+    if str(source) == TINY_NAME or named_models.is_named_model(source):
+        return str(source)
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
-def open_tokenizer(source: str | Path) -> Tokenizer:
-    """Just the tokenizer (the router needs no weights)."""
-    if str(source) == TINY_NAME:
-        return tiny_tokenizer()
-    return HFTokenizer(source, eos_token_ids=read_model_config(source).eos_token_ids)
+class Checkpoint:
+    """An opened model source: its config at once, its weights and tokenizer on demand. A
+    GGUF file is parsed once however many of them are asked for."""
+
+    def __init__(self, source: str | Path) -> None:
+        self.source = str(source)
+        self.path: Path | None = None
+        self._gguf: GGUFFile | None = None
+        if self.source == TINY_NAME:
+            self.config = TINY_CONFIG
+            return
+        self.path = local_path(source)
+        if self.path.is_file():
+            self._gguf = GGUFFile(self.path)
+            self.config = self._gguf.model_config()
+        else:
+            self.config = read_model_config(self.path)
+
+    def load_model(
+        self, dtype: torch.dtype, device: torch.device, max_positions: int, *, progress: bool
+    ) -> LlamaModel:
+        if self.path is None:
+            return build_tiny_model(dtype, device, max_positions)
+        if self._gguf is not None:
+            return load_gguf_model(self._gguf, dtype, device, max_positions, progress=progress)
+        return load_model(self.path, dtype, device, max_positions, progress=progress)
+
+    def tokenizer(self) -> Tokenizer:
+        if self.path is None:
+            return tiny_tokenizer()
+        if self._gguf is not None:
+            return HFTokenizer.from_gguf(self._gguf)
+        return HFTokenizer.from_directory(self.path, eos_token_ids=self.config.eos_token_ids)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.named_models import DEFAULT_MODEL
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ Prompt = str | Seq[int]
 
 class LLM:
     def __init__(
-        self, model: str | Path = "tiny", *, progress: bool = True, **options: Any
+        self, model: str | Path = DEFAULT_MODEL, *, progress: bool = True, **options: Any
     ) -> None:
         """``options`` are EngineConfig fields (dtype, kv_cache_dtype, block_size, ...)."""
         self.engine = LLMEngine(model, EngineConfig(**options), progress=progress)
@@ -65,6 +66,10 @@ class LLM:
     def chat(
         self, messages: list[dict], sampling_params: SamplingParams | None = None
     ) -> RequestOutput:
+        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template, the assistant's
+        turn opened."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.generate([ids], sampling_params)[0]
+        return self.tokenizer.encode(prompt, add_special_tokens=False)

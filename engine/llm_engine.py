@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager, kv_cache_misfit
-from engine.checkpoint import model_config_for, open_model
+from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
@@ -46,16 +46,18 @@ class LLMEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_name = str(model)
-        self.model_config = model_config_for(model)
+        checkpoint = Checkpoint(model)
+        self.model_config = checkpoint.config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len
         )
         torch.manual_seed(config.seed)
-        self.model, self.tokenizer = open_model(
-            model, self.dtype, self.device, self.max_model_len, progress=progress
+        self.model = checkpoint.load_model(
+            self.dtype, self.device, self.max_model_len, progress=progress
         )
+        self.tokenizer = checkpoint.tokenizer()
         kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         num_blocks = config.num_kv_blocks or config.blocks_for_memory(self.model_config, kv_dtype)
         self.cache = PagedKVCache(

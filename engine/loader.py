@@ -1,4 +1,5 @@
-"""Loads a Hugging Face checkpoint directory into a LlamaModel, fusing QKV and gate_up.
+"""Loads a checkpoint into a LlamaModel, fusing QKV and gate_up: a Hugging Face directory, or a
+GGUF file (through engine.gguf_file, which yields its tensors under Hugging Face names).
 
 Reads config.json, then model.safetensors or the shards named by
 model.safetensors.index.json. Every tensor is shape-checked against the model before it is
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.gguf_file import GGUFFile
 from engine.model import LlamaModel
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -81,10 +83,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_weights(model: LlamaModel, model_dir: str | Path, *, progress: bool = True) -> None:
-    """Copy every checkpoint tensor into ``model`` (fusing as it goes); verify all were set."""
-    config = model.config
-    params = dict(model.named_parameters())
-    filled: dict[str, int] = {name: 0 for name in params}
+    """Copy every tensor of a checkpoint directory into ``model``; verify all were set."""
     files = safetensors_files(model_dir)
     names_by_file = []
     for file in files:
@@ -93,25 +92,40 @@ def load_weights(model: LlamaModel, model_dir: str | Path, *, progress: bool = T
                 names_by_file.append((file, list(handle.keys())))
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{file} is not a readable safetensors file: {err}") from None
+
+    def tensors():
+        for file, names in names_by_file:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in names:
+                        yield name, (lambda h=handle, n=name: h.get_tensor(n)), file.name
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{file} is corrupt: {err}") from None
+
     total = sum(len(names) for _, names in names_by_file)
+    fill_weights(model, tensors(), total, str(model_dir), progress=progress)
+
+
+def fill_weights(
+    model: LlamaModel, tensors, total: int, source: str, *, progress: bool = True
+) -> None:
+    """Copy (HF name, tensor getter, file name) triples into ``model``, fusing QKV and gate_up
+    as it goes; raise CheckpointError unless every parameter was filled."""
+    config = model.config
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
-    for file, names in names_by_file:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in names:
-                    target = _target(name, config)
-                    if target is not None:
-                        tensor = handle.get_tensor(name)
-                        param_name, rows = target
-                        _copy(params, filled, param_name, rows, tensor, name, file)
-                    bar.update(1)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{file} is corrupt: {err}") from None
+    for name, get_tensor, file in tensors:
+        target = _target(name, config)
+        if target is not None:
+            param_name, rows = target
+            _copy(params, filled, param_name, rows, get_tensor(), name, file)
+        bar.update(1)
     bar.close()
     missing = [name for name, count in filled.items() if count < params[name].shape[0]]
     if missing:
         raise CheckpointError(
-            f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}"
+            f"checkpoint {source} lacks weights for: {', '.join(sorted(missing)[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
 
@@ -160,7 +174,7 @@ def _copy(params, filled, param_name, rows, tensor, hf_name, file) -> None:
     destination = params[param_name].data[rows]
     if tuple(tensor.shape) != tuple(destination.shape):
         raise CheckpointError(
-            f"{hf_name} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            f"{hf_name} in {file} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
         )
     with torch.no_grad():
         destination.copy_(tensor.to(destination.dtype))
@@ -176,10 +190,32 @@ def load_model(
     progress: bool = True,
 ) -> LlamaModel:
     """Build the model for ``model_dir``'s config directly in ``dtype`` on ``device``, load it."""
-    config = read_model_config(model_dir)
+    model = _empty_model(read_model_config(model_dir), dtype, device, max_positions)
+    load_weights(model, model_dir, progress=progress)
+    return model.eval()
+
+
+def load_gguf_model(
+    gguf: GGUFFile,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    *,
+    progress: bool = True,
+) -> LlamaModel:
+    """The model of a GGUF file, its tensors dequantised (fp32) then cast to ``dtype``."""
+    config = gguf.model_config()
+    model = _empty_model(config, dtype, device, max_positions)
+    tensors = ((name, get, gguf.path.name) for name, get in gguf.hf_tensors(config))
+    fill_weights(model, tensors, len(gguf.tensor_names), str(gguf.path), progress=progress)
+    return model.eval()
+
+
+def _empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaModel:
     with torch.device(device):
         model = LlamaModel(config, max_positions).to(dtype)
     # The rotary tables stay fp32: HF computes cos/sin in fp32 and casts per use.
     model.rotary.float()
-    load_weights(model, model_dir, progress=progress)
-    return model.eval()
+    return model

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.named_models import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class KVTransferOptions:
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    model: str = "tiny"
+    model: str = DEFAULT_MODEL
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVTransferOptions = field(default_factory=KVTransferOptions)
     torch_threads: int | None = None  # CPU threads per worker; None = torch's default

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\x10pdcluster.router\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9b\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1a.pdcluster.router.TokenIdsH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nrequest_id\x18\x0e \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pdcluster.router.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.pdcluster.router.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12&\n\x05usage\x18\x07 \x01(\x0b\x32\x17.pdcluster.router.Usage\"\x0f\n\rHealthRequest\"W\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07prefill\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65\x63ode\x18\x03 \x01(\x05\x12\x14\n\x0c\x64\x65tails_json\x18\x04 \x01(\t2\xaa\x01\n\x06Router\x12S\n\x08Generate\x12!.pdcluster.router.GenerateRequest\x1a\".pdcluster.router.GenerateResponse0\x01\x12K\n\x06Health\x12\x1f.pdcluster.router.HealthRequest\x1a .pdcluster.router.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\x10pdcluster.router\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x04\x43hat\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.pdcluster.router.ChatMessage\"\xc3\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1a.pdcluster.router.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x0f \x01(\x0b\x32\x16.pdcluster.router.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x12\n\nrequest_id\x18\x0e \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pdcluster.router.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.pdcluster.router.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12&\n\x05usage\x18\x07 \x01(\x0b\x32\x17.pdcluster.router.Usage\"\x0f\n\rHealthRequest\"W\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07prefill\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65\x63ode\x18\x03 \x01(\x05\x12\x14\n\x0c\x64\x65tails_json\x18\x04 \x01(\t2\xaa\x01\n\x06Router\x12S\n\x08Generate\x12!.pdcluster.router.GenerateRequest\x1a\".pdcluster.router.GenerateResponse0\x01\x12K\n\x06Health\x12\x1f.pdcluster.router.HealthRequest\x1a .pdcluster.router.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIDS']._serialized_start=34
   _globals['_TOKENIDS']._serialized_end=57
-  _globals['_GENERATEREQUEST']._serialized_start=60
-  _globals['_GENERATEREQUEST']._serialized_end=471
-  _globals['_TOPLOGPROB']._serialized_start=473
-  _globals['_TOPLOGPROB']._serialized_end=520
-  _globals['_TOKENLOGPROB']._serialized_start=522
-  _globals['_TOKENLOGPROB']._serialized_end=614
-  _globals['_USAGE']._serialized_start=616
-  _globals['_USAGE']._serialized_end=673
-  _globals['_GENERATERESPONSE']._serialized_start=676
-  _globals['_GENERATERESPONSE']._serialized_end=886
-  _globals['_HEALTHREQUEST']._serialized_start=888
-  _globals['_HEALTHREQUEST']._serialized_end=903
-  _globals['_HEALTHRESPONSE']._serialized_start=905
-  _globals['_HEALTHRESPONSE']._serialized_end=992
-  _globals['_ROUTER']._serialized_start=995
-  _globals['_ROUTER']._serialized_end=1165
+  _globals['_CHATMESSAGE']._serialized_start=59
+  _globals['_CHATMESSAGE']._serialized_end=103
+  _globals['_CHAT']._serialized_start=105
+  _globals['_CHAT']._serialized_end=160
+  _globals['_GENERATEREQUEST']._serialized_start=163
+  _globals['_GENERATEREQUEST']._serialized_end=614
+  _globals['_TOPLOGPROB']._serialized_start=616
+  _globals['_TOPLOGPROB']._serialized_end=663
+  _globals['_TOKENLOGPROB']._serialized_start=665
+  _globals['_TOKENLOGPROB']._serialized_end=757
+  _globals['_USAGE']._serialized_start=759
+  _globals['_USAGE']._serialized_end=816
+  _globals['_GENERATERESPONSE']._serialized_start=819
+  _globals['_GENERATERESPONSE']._serialized_end=1029
+  _globals['_HEALTHREQUEST']._serialized_start=1031
+  _globals['_HEALTHREQUEST']._serialized_end=1046
+  _globals['_HEALTHRESPONSE']._serialized_start=1048
+  _globals['_HEALTHRESPONSE']._serialized_end=1135
+  _globals['_ROUTER']._serialized_start=1138
+  _globals['_ROUTER']._serialized_end=1308
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class RouterActor:
         returns the URLs. ``slo``: ``{"ttft_ms", "tpot_ms"}`` for SLO-aware admission."""
         import uvicorn
 
-        from engine.checkpoint import open_tokenizer
+        from engine.checkpoint import Checkpoint, served_name
         from router.admission import SLOTargets
         from router.config import RouterConfig, RouterLimits
         from router.openai_api import create_app
@@ -48,8 +48,8 @@ class RouterActor:
         any_decode = next(name for name, pool in replicas.items() if pool == decode_pool)
         info = await handles[any_decode].info.remote()
         self.backend = RayBackend(
-            model_name=model,
-            tokenizer=open_tokenizer(model),
+            model_name=served_name(model),
+            tokenizer=Checkpoint(model).tokenizer(),
             max_model_len=info["max_model_len"],
             vocab_size=info["vocab_size"],
             block_size=info["block_size"],

@@ -4,10 +4,11 @@
     client.generate("Hello", max_tokens=32)   # {"text", "token_ids", "finish_reason", ...}
     for chunk in client.stream("Hello"):      # {"text", "token_ids", "finish_reason"} per message
         ...
+    client.generate([{"role": "user", "content": "Hi!"}])  # a chat: the assistant's reply
 
 Sampling keywords: max_tokens, temperature, top_p, top_k, seed, stop (str or list),
-stop_token_ids, ignore_eos, logprobs, min_tokens, model, request_id. A prompt is a string or
-a list of token ids. Errors raise :class:`RouterError` with the gRPC status.
+stop_token_ids, ignore_eos, logprobs, min_tokens, model, request_id. A prompt is a string, a
+list of token ids, or a chat (a list of {"role", "content"} messages). Errors raise :class:`RouterError` with the gRPC status.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from protos import router_pb2, router_pb2_grpc
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 _PLAIN = ("ignore_eos", "min_tokens", "model", "request_id")
+# text, token ids, or chat messages ({"role", "content"})
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 
 class RouterError(Exception):
@@ -61,7 +64,7 @@ class RouterClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stream(self, prompt: str | Sequence[int], **sampling: Any) -> Iterator[dict[str, Any]]:
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[dict[str, Any]]:
         """One dict per response message: request_id, text (new), token_ids (new),
         finish_reason (None until the last), logprobs when asked; the first has
         prompt_token_ids, the last usage. Leaving the loop early cancels the request."""
@@ -76,7 +79,7 @@ class RouterClient:
         finally:
             call.cancel()  # no-op when finished; cancels the request when the caller stopped
 
-    def generate(self, prompt: str | Sequence[int], **sampling: Any) -> dict[str, Any]:
+    def generate(self, prompt: Prompt, **sampling: Any) -> dict[str, Any]:
         """The whole result: request_id, text, token_ids, finish_reason, prompt_token_ids,
         usage (and logprobs when asked)."""
         result: dict[str, Any] = {"text": "", "token_ids": [], "finish_reason": None}
@@ -104,7 +107,7 @@ class RouterClient:
         return {**details, "status": reply.status, "prefill": reply.prefill, "decode": reply.decode}
 
 
-def _request(prompt: str | Sequence[int], sampling: dict[str, Any]) -> router_pb2.GenerateRequest:
+def _request(prompt: Prompt, sampling: dict[str, Any]) -> router_pb2.GenerateRequest:
     unknown = set(sampling) - set(_OPTIONAL) - set(_PLAIN) - {"stop", "stop_token_ids"}
     if unknown:
         raise TypeError(f"unknown sampling options: {sorted(unknown)}")
@@ -116,6 +119,10 @@ def _request(prompt: str | Sequence[int], sampling: dict[str, Any]) -> router_pb
     fields["stop_token_ids"] = list(sampling.get("stop_token_ids") or [])
     if isinstance(prompt, str):
         fields["text"] = prompt
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        fields["chat"] = router_pb2.Chat(
+            messages=[router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+        )
     else:
         fields["token_ids"] = router_pb2.TokenIds(ids=list(prompt))
     return router_pb2.GenerateRequest(**fields)
@@ -165,7 +172,12 @@ def add_submit_parser(subparsers) -> None:
     """``pdcluster submit "prompt" [--stream] [--address HOST:PORT] [--max-tokens N]
     [--temperature T] [--json]``: one request to a running router over gRPC."""
     p = subparsers.add_parser("submit", help="send one prompt to a running router (gRPC)")
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a chat message (the model's chat template) and print the reply",
+    )
     p.add_argument(
         "--address",
         default=DEFAULT_ADDRESS,
@@ -208,6 +220,7 @@ def wait_until_ready(client: RouterClient, timeout_s: float) -> None:
 
 
 def run_submit(args) -> int:
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -222,7 +235,7 @@ def run_submit(args) -> int:
             if args.wait > 0:
                 wait_until_ready(client, args.wait)
             if args.stream:
-                for chunk in client.stream(args.prompt, **sampling):
+                for chunk in client.stream(prompt, **sampling):
                     if args.json:
                         print(json.dumps(chunk), flush=True)
                     else:
@@ -230,7 +243,7 @@ def run_submit(args) -> int:
                 if not args.json:
                     print()
             else:
-                result = client.generate(args.prompt, **sampling)
+                result = client.generate(prompt, **sampling)
                 print(json.dumps(result) if args.json else result["text"])
     except RouterError as err:
         hint = " (is the router running? see pdcluster serve)" if err.code == "UNAVAILABLE" else ""

@@ -53,6 +53,19 @@ def tokenize_prompt(
     return ids
 
 
+def tokenize_chat(backend: Backend, messages: list[dict[str, Any]]) -> list[int]:
+    """Chat messages rendered with the model's chat template (with the assistant's turn
+    opened), tokenized, checked against the model's length limit."""
+    tokenizer = backend.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except InvalidRequestError as err:
+        raise bad_request(str(err), "messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    check_prompt_length(backend, len(ids), "messages")
+    return ids
+
+
 def check_prompt_length(backend: Backend, num_tokens: int, param: str = "prompt") -> None:
     if num_tokens + 1 > backend.max_model_len:
         raise bad_request(

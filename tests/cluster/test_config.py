@@ -11,7 +11,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
 def test_example_configs_load():
     config = ClusterConfig.from_yaml(CONFIGS / "local-cpu.yaml")
-    assert config.model == "tiny" and config.decode.initial == 1
+    assert config.model == "smollm2-135m" and config.decode.initial == 1
     assert config.engine_config("decode").num_kv_blocks == 1024
     assert config.kv.wire_dtype == "fp8" and config.router.port == 8000
 

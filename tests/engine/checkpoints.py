@@ -86,6 +86,22 @@ def write_tokenizer(directory: Path) -> None:
     )
 
 
+def save_tokenizer_with_transformers(directory: Path) -> None:
+    """The same word-level tokenizer, saved as transformers 5 saves one: the chat template
+    in chat_template.jinja, none in tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
 def make_checkpoint(
     directory: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides
 ):

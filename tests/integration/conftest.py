@@ -42,6 +42,7 @@ def start(config_dict: dict, attempts: int = 3):
     from cluster.config import ClusterConfig
     from cluster.launcher import start_cluster
 
+    config_dict = {"model": "tiny", **config_dict}  # the real default model is opted into
     router_overrides = config_dict.pop("router", {})
     for attempt in range(attempts):
         router = {"port": free_port(), "grpc_port": GRPC_PORT(), **router_overrides}

@@ -1,5 +1,6 @@
-"""`pdcluster serve` as a user runs it: joining a separately started `ray start --head`
-cluster with `--address auto`, serving a request, and shutting down cleanly on SIGTERM."""
+"""`pdcluster serve` as a user runs it (no --model: the default real model): joining a
+separately started `ray start --head` cluster with `--address auto`, serving a request, and
+shutting down cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) ->
     raise AssertionError("pdcluster serve did not become healthy")
 
 
-def test_serve_joins_an_existing_cluster_and_stops_on_sigterm(ray_head):
+def test_serve_joins_an_existing_cluster_and_stops_on_sigterm(ray_head, default_model_file):
     port, grpc_port = free_port(), free_port()
     # what `--address auto` resolves; the CLI finds the token `ray start` wrote itself
     env = {**os.environ, "RAY_ADDRESS": ray_head, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -98,13 +99,13 @@ def test_serve_joins_an_existing_cluster_and_stops_on_sigterm(ray_head):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
-    assert "serving tiny" in output
+    assert "serving smollm2-135m" in output
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
