@@ -327,7 +327,7 @@ class KernelBench:
     def model_prefill(self) -> None:
         import torch
 
-        from engine.attention_metadata import AttentionMetadata
+        from engine.attention_metadata import build_metadata
         from engine.config import ModelConfig, RopeConfig
         from engine.kv_cache import PagedKVCache
         from engine.model import LlamaModel
@@ -361,16 +361,16 @@ class KernelBench:
                 p.data.normal_(0, 0.02)
         bs = 16
         cache = PagedKVCache(config, math.ceil(tokens / bs), bs, self.dtype, self.device)
-        meta = AttentionMetadata(
-            is_decode_only=False,
-            slot_mapping=torch.arange(tokens, device=self.device),
-            block_tables=torch.arange(cache.num_blocks, device=self.device, dtype=torch.int32)[
-                None
-            ],
-            block_runs=None,
-            cu_seqlens=torch.tensor([0, tokens], device=self.device, dtype=torch.int32),
-            prefix_lens=torch.zeros(1, device=self.device, dtype=torch.int32),
-            max_new_len=tokens,
+        meta = build_metadata(
+            slots=torch.arange(tokens),
+            decode_tables=[],
+            decode_context_lens=[],
+            prefill_tables=[list(range(cache.num_blocks))],
+            prefill_new_lens=[tokens],
+            prefill_prefix_lens=[0],
+            block_size=bs,
+            fp8=False,
+            device=torch.device(self.device),
         )
         ids = torch.randint(0, config.vocab_size, (tokens,), device=self.device)
         pos = torch.arange(tokens, device=self.device)

@@ -84,16 +84,9 @@ def _add_bench(sub) -> None:
         "bench", help="benchmarks (each next to a baseline measured in the same run)"
     )
     benches = p.add_subparsers(dest="bench", required=True)
-    engine = benches.add_parser("engine", help="prefill and decode tokens/s vs transformers")
-    engine.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    engine.add_argument("--concurrency", default="1,8,32", help="comma-separated sequence counts")
-    engine.add_argument("--prompt-len", type=int, default=128)
-    engine.add_argument("--output-len", type=int, default=64)
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--kv-cache-dtype", default="auto")
-    engine.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    engine.add_argument("--json-out", default=None, help="also write the results as JSON here")
-    engine.set_defaults(func=_run_bench_engine)
+    from benchmarks.engine_bench import add_engine_bench_parser
+
+    add_engine_bench_parser(benches, DEFAULT_MODEL, MODEL_HELP)
     from benchmarks.serve_bench import add_serve_bench_parser
 
     add_serve_bench_parser(benches)
@@ -108,12 +101,6 @@ def _add_bench(sub) -> None:
         pass
     else:
         add_transfer_parser(benches)
-
-
-def _run_bench_engine(args) -> int:
-    from benchmarks.engine_bench import run_engine_benchmark
-
-    return run_engine_benchmark(args)
 
 
 def _add_serve(sub) -> None:

@@ -142,29 +142,36 @@ class BlockManager:
         table.clear()
 
     def register_full_blocks(
-        self, table: list[int], token_ids: Sequence[int], num_computed: int
-    ) -> None:
-        """Publish the full blocks among the first ``num_computed`` tokens to the prefix cache."""
+        self, table: list[int], token_ids: Sequence[int], num_computed: int, first: int = 0
+    ) -> int:
+        """Publish the full blocks among the first ``num_computed`` tokens to the prefix cache,
+        from block index ``first`` on (those before it are published already). Returns the
+        number of full blocks, the caller's ``first`` next time: each block is hashed once."""
+        num_full = num_computed // self.block_size
         if not self.enable_prefix_caching:
-            return
-        parent = None
-        for index in range(num_computed // self.block_size):
+            return num_full
+        parent = self.blocks[table[first - 1]].hash if first > 0 else None
+        for index in range(first, num_full):
             block = self.blocks[table[index]]
-            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             if block.hash is None:
+                tokens = self._block_tokens(token_ids, index)
                 block.hash = chain_hash(parent, tokens)
                 block.token_ids = tokens
                 self._cached.setdefault(block.hash, block.block_id)
             parent = block.hash
+        return max(num_full, first)
 
     # ---- internals ------------------------------------------------------------------
+    def _block_tokens(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+
     def _prefix_hits(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         hits = []
         parent = None
         for index in range((num_tokens - 1) // self.block_size):
-            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            tokens = self._block_tokens(token_ids, index)
             parent = chain_hash(parent, tokens)
             block_id = self._cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:

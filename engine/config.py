@@ -236,6 +236,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are chunked
     enable_prefix_caching: bool = True
     seed: int = 0
+    # CPU GEMM library: auto = the fastest per row count, measured at start-up
+    # (engine.cpu_gemm); or torch, onednn, openblas for every GEMM.
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size < 8:
@@ -254,6 +257,10 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype, allow_fp8=True)
+        if self.cpu_gemm not in ("auto", "torch", "onednn", "openblas"):
+            raise EngineError(
+                f"cpu_gemm must be auto, torch, onednn or openblas, got {self.cpu_gemm!r}"
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise EngineError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

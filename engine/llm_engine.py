@@ -19,6 +19,8 @@ import torch
 from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
+from engine.cpu_gemm import GemmPlan, limit_blas_threads
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ModelRunner
@@ -40,6 +42,19 @@ class StepResult:
     finished: list[RequestOutput]
 
 
+def cpu_gemm_plan(model, choice: str) -> GemmPlan:
+    """The GEMM backend per row count: measured on the model's weights for "auto"."""
+    limit_blas_threads(torch.get_num_threads())
+    if choice != "auto":
+        from engine.cpu_gemm import BUCKETS
+
+        return GemmPlan(choices=dict.fromkeys(BUCKETS, choice))
+    with torch.inference_mode():
+        plan = GemmPlan.measure(model.gemm_weights())
+    logger.info("CPU GEMM plan (rows: backend): %s", plan.describe())
+    return plan
+
+
 class LLMEngine:
     def __init__(
         self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True
@@ -58,6 +73,10 @@ class LLMEngine:
             self.dtype, self.device, self.max_model_len, progress=progress
         )
         self.tokenizer = checkpoint.tokenizer()
+        self.gemm_plan = None
+        if self.device.type == "cpu":
+            self.gemm_plan = cpu_gemm_plan(self.model, config.cpu_gemm)
+            self.model.use_linear(self.gemm_plan.linear)
         kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         num_blocks = config.num_kv_blocks or config.blocks_for_memory(self.model_config, kv_dtype)
         self.cache = PagedKVCache(
@@ -73,6 +92,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.model_config.vocab_size)
         self._requests: dict[str, Sequence] = {}
         self._prompts: dict[str, str | None] = {}
+        self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
 
     # ---- requests ---------------------------------------------------------------------
@@ -199,8 +219,8 @@ class LLMEngine:
                     count, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
             seq.num_computed_tokens += count
-            self.block_manager.register_full_blocks(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens
+            seq.num_registered_blocks = self.block_manager.register_full_blocks(
+                seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.num_registered_blocks
             )
         result = StepResult([], [])
         if sampling:
@@ -230,12 +250,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.register_full_blocks(
+        seq.num_registered_blocks = self.block_manager.register_full_blocks(
             seq.block_table, seq.token_ids, seq.num_computed_tokens
         )
         self._requests[seq.request_id] = seq
         self._prompts[seq.request_id] = None
-        self.sampler.skip_first_draw(seq.seq_id, params)
+        self.sampler.skip_first_draw(seq.seq_id, params, self.device)
         self.scheduler.running.append(seq)
         result = StepResult([], [])
         self._accept_token(seq, first_token, None, result)
@@ -262,12 +282,8 @@ class LLMEngine:
                 reason = "stop"
             elif token in params.stop_token_ids:
                 reason = "stop"
-            elif params.stop:
-                text = self.tokenizer.decode(seq.output_token_ids)
-                hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-                if hits:
-                    seq.stop_text_len = min(hits)
-                    reason = "stop"
+            elif params.stop and self._stop_text_len(seq) is not None:
+                reason = "stop"
         if reason is None and (
             num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -275,10 +291,32 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
+    def _stop_text_len(self, seq: Sequence) -> int | None:
+        """Where the output text is cut if it now holds a stop string (sets it on seq).
+        The common case watches the text incrementally (constant work per token); with
+        min_tokens, stops count only once that many are out, so the whole text is searched
+        then."""
+        if seq.params.min_tokens:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+            seq.stop_text_len = min(hits) if hits else None
+            return seq.stop_text_len
+        watch = self._stop_watches.get(seq.seq_id)
+        if watch is None:
+            watch = self._stop_watches[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.params.stop
+            )
+            watch.add(seq.output_token_ids[:-1])
+        watch.add(seq.output_token_ids[-1:])
+        if watch.stopped:
+            seq.stop_text_len = len(watch.output_text())
+        return seq.stop_text_len
+
     def _release(self, seq: Sequence) -> RequestOutput:
         del self._requests[seq.request_id]
         prompt = self._prompts.pop(seq.request_id)
         self.sampler.forget(seq.seq_id)
+        self._stop_watches.pop(seq.seq_id, None)
         seq.finish_time = time.monotonic()
         text = self.tokenizer.decode(seq.output_token_ids)
         if seq.stop_text_len is not None:

@@ -12,15 +12,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.attention import decode_attention, prefill_attention
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
-from engine.kernels.decode_attention import decode_attention
 from engine.kernels.fused_linear import fused_linear
 from engine.kernels.kv_store import store_kv
-from engine.kernels.prefill_attention import prefill_attention
 from engine.kernels.rmsnorm import rmsnorm
 from engine.kv_cache import PagedKVCache
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rotary
+
+# x [T, in], weight [out, in], bias, activation → [T, out] (or [T, out / 2] for silu_mul)
+Linear = Callable[..., torch.Tensor]
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -43,13 +45,13 @@ class DecoderLayer(nn.Module):
         self.down_weight = _param(c.hidden_size, c.intermediate_size)
         self.down_bias = _param(c.hidden_size) if c.mlp_bias else None
         self.softmax_scale = c.head_dim**-0.5
+        self.linear: Linear = fused_linear  # LlamaModel.use_linear swaps the GEMM backend
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, H]
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
         meta: AttentionMetadata,
         cache: PagedKVCache,
         layer_index: int,
@@ -61,53 +63,34 @@ class DecoderLayer(nn.Module):
             hidden = rmsnorm(hidden, self.input_norm_weight, eps)
         else:
             hidden, residual = rmsnorm(hidden, self.input_norm_weight, eps, residual)
-        hidden = self._attention(hidden, positions, rotary, meta, cache, layer_index)
+        hidden = self._attention(hidden, rope, meta, cache, layer_index)
         hidden, residual = rmsnorm(hidden, self.post_attention_norm_weight, eps, residual)
-        hidden = fused_linear(hidden, self.gate_up_weight, self.gate_up_bias, activation="silu_mul")
-        hidden = fused_linear(hidden, self.down_weight, self.down_bias)
+        hidden = self.linear(hidden, self.gate_up_weight, self.gate_up_bias, activation="silu_mul")
+        hidden = self.linear(hidden, self.down_weight, self.down_bias)
         return hidden, residual
 
-    def _attention(self, hidden, positions, rotary, meta, cache, layer_index) -> torch.Tensor:
+    def _attention(self, hidden, rope, meta, cache, layer_index) -> torch.Tensor:
         c = self.config
         tokens = hidden.shape[0]
-        qkv = fused_linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, qkv_size]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(tokens, c.num_heads, c.head_dim)
-        k = k.view(tokens, c.num_kv_heads, c.head_dim)
-        v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, qkv_size]
+        heads = c.num_heads + c.num_kv_heads
+        qk = qkv[:, : c.q_size + c.kv_size].view(tokens, heads, c.head_dim)
+        q, k = apply_rotary(qk, *rope).split([c.num_heads, c.num_kv_heads], dim=1)
+        v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
         layer = cache.layer(layer_index)
         store_kv(
             k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs
         )
-        if meta.is_decode_only:
-            out = decode_attention(
-                q,
-                layer.k,
-                layer.v,
-                layer.k_scale,
-                layer.v_scale,
-                meta.block_tables,
-                meta.context_lens,
-                self.softmax_scale,
-                max_context_len=meta.max_context_len,
-            )
-        else:
-            out = prefill_attention(
-                q,
-                k,
-                v,
-                meta.cu_seqlens,
-                meta.prefix_lens,
-                layer.k,
-                layer.v,
-                layer.k_scale,
-                layer.v_scale,
-                meta.block_tables,
-                self.softmax_scale,
-                meta.max_new_len,
-            )
-        return fused_linear(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+        decode, prefill, nd = meta.decode, meta.prefill, meta.num_decode_tokens
+        if decode is not None:
+            decoded = decode_attention(q[:nd], layer, decode, self.softmax_scale)  # [Bd, Hq, D]
+            if prefill is None:
+                return self.linear(decoded.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+        prefilled = prefill_attention(
+            q[nd:], k[nd:], v[nd:], layer, prefill, self.softmax_scale
+        )  # [T - Bd, Hq, D]
+        out = prefilled if decode is None else torch.cat([decoded, prefilled])
+        return self.linear(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaModel(nn.Module):
@@ -123,6 +106,23 @@ class LlamaModel(nn.Module):
             None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
         )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.linear: Linear = fused_linear
+
+    def use_linear(self, linear: Linear) -> None:
+        """Run every GEMM through ``linear`` (same signature as ``fused_linear``), e.g. a
+        CPU GEMM plan measured on this machine."""
+        self.linear = linear
+        for layer in self.layers:
+            layer.linear = linear
+
+    def gemm_weights(self) -> list[torch.Tensor]:
+        """Every GEMM weight in the order one forward reads them (the LM head last)."""
+        weights = [
+            w
+            for layer in self.layers
+            for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+        ]
+        return [*weights, self.embed_weight if self.lm_head_weight is None else self.lm_head_weight]
 
     @torch.inference_mode()
     def forward(
@@ -136,9 +136,10 @@ class LlamaModel(nn.Module):
         """``layer_done(i)`` is called once layer i's K/V are in the cache (the KV sender
         ships that layer while later layers compute)."""
         hidden = nn.functional.embedding(input_ids, self.embed_weight)
+        rope = self.rotary.tables(positions, hidden.dtype)
         residual = None
         for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, self.rotary, meta, cache, index)
+            hidden, residual = layer(hidden, residual, rope, meta, cache, index)
             if layer_done is not None:
                 layer_done(index)
         hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
@@ -148,4 +149,4 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] final hidden states → [n, vocab] fp32 logits."""
         head = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return fused_linear(hidden, head).float()
+        return self.linear(hidden, head).float()

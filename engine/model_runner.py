@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.kernels.kv_store import block_runs_from_slots
+from engine.attention_metadata import build_metadata
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -35,57 +34,53 @@ class ModelRunner:
         return logits, sampling
 
     def prepare(self, batch: ScheduledBatch):
+        """Flat model inputs for the batch: token ids, positions, attention metadata, the rows
+        whose logits are sampled, and which sequences those are. Host work per sequence is
+        constant for decode rows and proportional to the new tokens for prompt rows."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefix_lens: list[int] = []
-        cu_seqlens = [0]
-        last_rows: list[int] = []
-        sampling: list[int] = []
-        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        num_decode = next((i for i, n in enumerate(counts) if n != 1), len(counts))
+        ids: list[int] = []
+        positions: list[torch.Tensor | list[int]] = []
+        slots: list[torch.Tensor | list[int]] = []
+        decode_positions = []
+        decode_slots = []
+        for seq in seqs[:num_decode]:
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            decode_positions.append(p)
+            decode_slots.append(seq.block_table[p // bs] * bs + p % bs)
+        positions.append(decode_positions)
+        slots.append(decode_slots)
+        last_rows = list(range(num_decode))  # decode rows always sample
+        sampling = list(range(num_decode))
+        row = num_decode
+        for i in range(num_decode, len(seqs)):
+            seq, count = seqs[i], counts[i]
             start = seq.num_computed_tokens
-            end = start + count
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            span = range(start, end)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            prefix_lens.append(start)
-            cu_seqlens.append(cu_seqlens[-1] + count)
-            if end == seq.num_tokens:
-                last_rows.append(cu_seqlens[-1] - 1)
+            ids.extend(seq.token_ids[start : start + count])
+            span = torch.arange(start, start + count)
+            table = torch.tensor(seq.block_table[: -(-(start + count) // bs)])
+            positions.append(span)
+            slots.append(table[span // bs] * bs + span % bs)
+            row += count
+            if start + count == seq.num_tokens:
+                last_rows.append(row - 1)
                 sampling.append(i)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        block_runs = (
-            block_runs_from_slots(slot_mapping, bs).to(self.device) if self.cache.is_fp8 else None
+        prefill = seqs[num_decode:]
+        meta = build_metadata(
+            slots=torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in slots]),
+            decode_tables=[s.block_table for s in seqs[:num_decode]],
+            decode_context_lens=[p + 1 for p in decode_positions],
+            prefill_tables=[s.block_table for s in prefill],
+            prefill_new_lens=counts[num_decode:],
+            prefill_prefix_lens=[s.num_computed_tokens for s in prefill],
+            block_size=bs,
+            fp8=self.cache.is_fp8,
+            device=self.device,
         )
-        to_device = lambda values, dtype: torch.tensor(values, dtype=dtype).to(
-            self.device, non_blocking=True
-        )
-        block_tables = to_device(tables, torch.int32)
-        if batch.is_decode_only:
-            meta = AttentionMetadata(
-                is_decode_only=True,
-                slot_mapping=slot_mapping.to(self.device),
-                block_tables=block_tables,
-                block_runs=block_runs,
-                context_lens=to_device([p + 1 for p in prefix_lens], torch.int32),
-                max_context_len=max(prefix_lens) + 1,
-            )
-        else:
-            meta = AttentionMetadata(
-                is_decode_only=False,
-                slot_mapping=slot_mapping.to(self.device),
-                block_tables=block_tables,
-                block_runs=block_runs,
-                cu_seqlens=to_device(cu_seqlens, torch.int32),
-                prefix_lens=to_device(prefix_lens, torch.int32),
-                max_new_len=max(batch.num_new_tokens),
-            )
-        ids = to_device(input_ids, torch.int64)
-        pos = to_device(positions, torch.int64)
-        rows = to_device(last_rows, torch.int64)
-        return ids, pos, meta, rows, sampling
+        to_device = lambda values: values.to(self.device, non_blocking=True)
+        ids_t = to_device(torch.tensor(ids, dtype=torch.int64))
+        pos_t = to_device(torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in positions]))
+        rows = to_device(torch.tensor(last_rows, dtype=torch.int64))
+        return ids_t, pos_t, meta, rows, sampling

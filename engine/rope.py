@@ -43,7 +43,10 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE to q and k given each token's absolute position.
 
-    Holds a [max_positions, head_dim] cos/sin table built once at start-up.
+    Holds [max_positions, head_dim] cos and sign-folded sin tables built once at start-up.
+    HF rotates ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``; the
+    same products come from swapping x's halves and negating the first half of sin instead
+    (``(-a) * b == a * (-b)`` exactly), which takes three ops instead of seven.
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
@@ -52,19 +55,25 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
         self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("signed_sin", angles.sin() * sign, persistent=False)
         self.head_dim = head_dim
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D], positions [T] → rotated (q, k) in their dtype."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos, signed sin [T, 1, D] for these positions in ``dtype``: looked up once per
+        forward, shared by every layer."""
+        return (
+            self.cos[positions].to(dtype)[:, None, :],
+            self.signed_sin[positions].to(dtype)[:, None, :],
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, H, D] (q and k heads together) with tables [T, 1, D]: a new tensor."""
+    tokens, heads, dim = x.shape
+    swapped = x.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)  # cat(x2, x1), a copy
+    # Not addcmul: its fused multiply-add rounds once, HF's mul then add rounds twice.
+    return swapped.mul_(signed_sin).add_(x * cos)

@@ -11,16 +11,24 @@ from engine.sequence import TokenLogprobs
 
 
 class Sampler:
+    """Samples on the logits' device: only the chosen tokens (and asked-for logprobs) come
+    back to the host, not the [n, vocab] logits. A seeded request draws its noise from its
+    own generator on that device, so prefill and decode workers on the same kind of device
+    continue one stream."""
+
     def __init__(self, seed: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._default_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._default_generators: dict[str, torch.Generator] = {}  # device → unseeded stream
         self._generators: dict[int, torch.Generator] = {}  # seq_id → its own, when seeded
 
-    def skip_first_draw(self, seq_id: int, params: SamplingParams) -> None:
+    def skip_first_draw(
+        self, seq_id: int, params: SamplingParams, device: torch.device | str = "cpu"
+    ) -> None:
         """The first token was sampled elsewhere (a prefill worker, same seed): advance this
         sequence's generator past it, so the rest matches a single-engine run."""
         if params.seed is not None and not params.greedy:
-            self._exponential(seq_id, params, self.vocab_size)
+            self._exponential(seq_id, params, self.vocab_size, torch.device(device))
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -29,15 +37,19 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [n, V] fp32 (any device) → n token ids and, where asked, their logprobs."""
-        logits = logits.float().cpu()
+        """logits [n, V] (any device) → n token ids and, where asked, their logprobs."""
+        device = logits.device
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows)
+            rows = torch.tensor(sampled_rows, device=device)
             probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
             noise = torch.stack(
-                [self._exponential(seq_ids[i], params[i], probs.shape[-1]) for i in sampled_rows]
+                [
+                    self._exponential(seq_ids[i], params[i], probs.shape[-1], device)
+                    for i in sampled_rows
+                ]
             )
             # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
             tokens[rows] = (probs / noise).argmax(dim=-1)
@@ -45,42 +57,54 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
-            log_probs = torch.log_softmax(logits[wanted], dim=-1)
+            index = torch.tensor(wanted, device=device)
+            log_probs = torch.log_softmax(logits[index], dim=-1)  # [w, V]
+            chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
+            k = max(params[i].logprobs for i in wanted)
+            top = torch.topk(log_probs, k) if k else None
+            top_ids = top.indices.tolist() if top is not None else []
+            top_values = top.values.tolist() if top is not None else []
             for row, i in enumerate(wanted):
-                top = torch.topk(log_probs[row], params[i].logprobs) if params[i].logprobs else None
+                n = params[i].logprobs
                 logprobs[i] = TokenLogprobs(
                     token_id=token_list[i],
-                    logprob=log_probs[row, token_list[i]].item(),
-                    top={}
-                    if top is None
-                    else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+                    logprob=chosen[row],
+                    top=dict(zip(top_ids[row][:n], top_values[row][:n], strict=True)) if n else {},
                 )
         return token_list, logprobs
 
-    def _exponential(self, seq_id: int, params: SamplingParams, vocab: int) -> torch.Tensor:
-        generator = self._default_generator
+    def _exponential(
+        self, seq_id: int, params: SamplingParams, vocab: int, device: torch.device
+    ) -> torch.Tensor:
         if params.seed is not None:
             generator = self._generators.get(seq_id)
             if generator is None:
-                generator = self._generators[seq_id] = torch.Generator().manual_seed(params.seed)
-        return torch.empty(vocab).exponential_(generator=generator)
+                generator = torch.Generator(device=device).manual_seed(params.seed)
+                self._generators[seq_id] = generator
+        else:
+            generator = self._default_generators.get(device.type)
+            if generator is None:
+                generator = torch.Generator(device=device).manual_seed(self.seed)
+                self._default_generators[device.type] = generator
+        return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) over [n, V] logits → probabilities."""
-    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     logits = logits / temperature
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        ranks = torch.arange(vocab).unsqueeze(0)
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_p).unsqueeze(1)
+        p = torch.tensor(top_p, device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return logits.softmax(dim=-1)

@@ -95,6 +95,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

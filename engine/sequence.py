@@ -39,6 +39,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int = 0  # of those, served by the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # of block_table, published to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort
     stop_text_len: int | None = None  # output text is cut here when a stop string matched

@@ -13,12 +13,12 @@ from typing import Any
 
 import anyio
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from router.backend import Backend, GenerateRequest, NoReplica, Overloaded, RequestRejected
 from router.config import RouterConfig
-from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request
 from router.metrics import RouterMetrics
 

@@ -490,5 +490,24 @@ def store_kv(
     """
     if dispatch.use_triton(k):
         store_kv_triton(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, block_runs)
+    elif k_cache.dtype != FP8_DTYPE and k_cache.device.type == "cpu":
+        store_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, block_runs)
+
+
+def store_kv_cpu(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The CPU path for bf16/fp16/fp32 caches: one index_copy_ per cache, the reference's
+    boolean masks only when some slot is negative (skipped)."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        store_kv_reference(k, v, k_cache, v_cache, None, None, slot_mapping)
+        return
+    num_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -68,9 +70,19 @@ def test_greedy_tokens_equal_transformers(engine, reference):
     ]
 
 
-def test_prefill_logits_within_1e4(engine, reference):
+@pytest.mark.parametrize("cpu_gemm, atol", [("torch", 1e-4), ("auto", 5e-4)])
+def test_prefill_logits_equal_transformers(cpu_gemm, atol, engine, reference):
+    """With torch's GEMMs (MKL, as transformers runs) the logits are within 1e-4 (measured:
+    identical); the default plan's faster BLAS (oneDNN, OpenBLAS) sum in another order,
+    ~1e-4 apart over 30 layers (relative ~5e-6), which is why its bound is looser."""
     model, _ = reference
-    core = engine.engine
+    core = (
+        engine.engine
+        if cpu_gemm == "auto"
+        else LLMEngine(
+            "smollm2-135m", EngineConfig(num_kv_blocks=64, cpu_gemm=cpu_gemm), progress=False
+        )
+    )
     for text in TEXTS:
         prompt = core.tokenizer.encode(text)
         seq = Sequence(prompt_token_ids=prompt, params=GREEDY)
@@ -79,7 +91,7 @@ def test_prefill_logits_within_1e4(engine, reference):
         logits = core.model.compute_logits(core.model(ids, pos, meta, core.cache))
         with torch.no_grad():
             expected = model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
         core.block_manager.free(seq.block_table)
 
 

@@ -298,3 +298,52 @@ def test_engine_config_validation():
     with pytest.raises(EngineError, match="device"):
         EngineConfig(device="tpu")
     assert LLMEngine  # imported for type use elsewhere
+
+
+def test_per_step_host_work_does_not_grow_with_history():
+    """Per step, the host reads a constant amount of each sequence's history: blocks sliced
+    for prefix-cache hashing and tokens decoded for stop strings, counted at 64 + 8 tokens
+    and at 1,600 + 300 (before, every full block of every sequence was re-sliced each step
+    and stop strings re-decoded the whole output). The forward pass is stubbed out."""
+    from engine.block_manager import BlockManager
+
+    def per_step(prompt_len: int, warm_steps: int, monkeypatch) -> tuple[float, float]:
+        llm = LLM("tiny", num_kv_blocks=1024, max_num_seqs=8, progress=False)
+        engine = llm.engine
+        hidden = engine.model_config.hidden_size
+
+        class StubModel:
+            def __call__(self, ids, positions, meta, cache, layer_done=None):
+                return torch.zeros(ids.shape[0], hidden)
+
+            compute_logits = staticmethod(engine.model.compute_logits)
+
+        engine.runner.model = StubModel()
+        params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True, stop=("zz",))
+        for i in range(8):
+            engine.add_request([(i * 7 + j) % 250 for j in range(prompt_len)], params)
+        for _ in range(warm_steps):
+            engine.step()
+        counts = {"slices": 0, "decoded": 0}
+        slice_block, decode = BlockManager._block_tokens, engine.tokenizer.decode
+
+        def counted_slice(self, token_ids, index):
+            counts["slices"] += 1
+            return slice_block(self, token_ids, index)
+
+        def counted_decode(ids, *args, **kwargs):
+            counts["decoded"] += len(ids)
+            return decode(ids, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(BlockManager, "_block_tokens", counted_slice)
+            patch.setattr(engine.tokenizer, "decode", counted_decode)
+            for _ in range(32):
+                engine.step()
+        return counts["slices"] / 32, counts["decoded"] / 32
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        short = per_step(64, 8, monkeypatch)
+        long = per_step(1600, 300, monkeypatch)
+    assert long == pytest.approx(short, abs=1.0), (short, long)
+    assert short[0] <= 8 and short[1] <= 8 * 16  # a block per sequence at most; small windows

@@ -92,3 +92,28 @@ def test_prefix_cache_hit_is_not_recomputed(checkpoint):
     assert engine.num_prompt_tokens_computed - computed_before == len(second) - 32
     assert out_first.token_ids == hf_greedy(hf_model, first)
     assert out_second.token_ids == hf_greedy(hf_model, second)
+
+
+def test_mixed_batches_match(checkpoint):
+    """Decode rows and a prompt chunk in one step: each part through its own attention path,
+    tokens as transformers'."""
+    directory, hf_model = checkpoint
+    llm = LLM(
+        directory,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        progress=False,
+    )
+    runner, kinds = llm.engine.runner, set()
+    prepare = runner.prepare
+
+    def spy(batch):
+        out = prepare(batch)
+        kinds.add((out[2].decode is not None, out[2].prefill is not None))
+        return out
+
+    runner.prepare = spy
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY)  # the short one decodes meanwhile
+    assert (True, True) in kinds
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_model, p) for p in (PROMPTS[0], PROMPTS[2])]

@@ -3,8 +3,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.tiny import tiny_tokenizer
-from router.detokenizer import IncrementalDetokenizer
 
 TOK = tiny_tokenizer()
 

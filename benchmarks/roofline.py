@@ -1,0 +1,75 @@
+"""This machine's bounds, measured in the same run as a benchmark: how fast it reads memory
+(decode is bound by reading the weights once per step) and how fast it runs the model's own
+GEMMs (prefill is bound by them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs of ``fn`` (seconds), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth_gbs(megabytes: int = 1024) -> float:
+    """GB/s of a sum over a buffer far larger than the caches (read once, no write)."""
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    seconds = best_of(lambda: data.sum())
+    return data.numel() * 4 / seconds / 1e9
+
+
+def model_gemms(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's GEMMs as the engine runs them (fused QKV, fused
+    gate_up)."""
+    c = config
+    return [
+        (c.hidden_size, c.qkv_size),
+        (c.q_size, c.hidden_size),
+        (c.hidden_size, 2 * c.intermediate_size),
+        (c.intermediate_size, c.hidden_size),
+    ]
+
+
+def gemm_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> float:
+    """TFLOP/s of one layer's GEMMs at ``tokens`` rows in ``dtype``: the prefill bound at that
+    size (a forward made only of GEMMs)."""
+    shapes = model_gemms(config)
+    weights = [torch.randn(n_out, n_in).to(dtype) for n_in, n_out in shapes]
+    inputs = {n_in: torch.randn(tokens, n_in).to(dtype) for n_in, _ in shapes}
+
+    def layer() -> None:
+        for (n_in, _), weight in zip(shapes, weights, strict=True):
+            F.linear(inputs[n_in], weight)
+
+    seconds = best_of(layer, repeats=3)
+    flops = sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)
+    return flops / seconds / 1e12
+
+
+def prefill_flops(config: ModelConfig, prompt_lens: list[int]) -> float:
+    """Useful FLOPs of prefilling these prompts: every layer's GEMMs for every token, causal
+    attention (QKᵀ and PV over the pairs each token sees), the LM head for the last token."""
+    c = config
+    per_token = sum(2 * n_in * n_out for n_in, n_out in model_gemms(c)) * c.num_layers
+    pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
+    attention = 4 * c.num_heads * c.head_dim * pairs * c.num_layers
+    head = 2 * c.hidden_size * c.vocab_size * len(prompt_lens)
+    return per_token * sum(prompt_lens) + attention + head
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step reads: every weight once (a tied embedding is read whole by the
+    LM head; the rotary tables are buffers, not weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

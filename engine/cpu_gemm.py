@@ -1,0 +1,145 @@
+"""GEMMs on CPU through the fastest BLAS at hand for each row count, chosen by measurement.
+
+Three libraries compute ``x @ W.T`` here with no copy of the weights: torch's ``F.linear``
+(MKL), oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``), and OpenBLAS (the one
+numpy ships). Their speed differs by up to 2x on the same machine and shape, and which wins
+depends on the CPU: on this project's AMD machines MKL reads a GEMV's weights at half the
+bandwidth OpenBLAS does, while Intel CPUs with AMX favour MKL and oneDNN. So a replica times
+each library on its own weights once, at start-up (``GemmPlan.measure``), for each bucket of
+row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row count.
+
+A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
+the weights of several layers, so each is read cold as in a real decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    return F.linear(x, weight, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _openblas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    out = torch.from_numpy(np.matmul(x.contiguous().numpy(), weight.numpy().T))
+    return out if bias is None else out.add_(bias)
+
+
+BACKENDS: dict[str, Callable] = {
+    "torch": _torch_linear,
+    "onednn": _onednn_linear,
+    "openblas": _openblas_linear,
+}
+
+
+def available_backends(dtype: torch.dtype, threads: int) -> list[str]:
+    names = ["torch"]
+    if torch.backends.mkldnn.is_available():
+        names.append("onednn")
+    # numpy has no bf16 (and its fp16 GEMM is not BLAS). With more than one thread,
+    # OpenBLAS's pool and torch's OpenMP pool spin against each other between calls:
+    # measured here, a decode step took 3x longer, which GEMMs timed alone do not show.
+    if dtype == torch.float32 and threads == 1:
+        names.append("openblas")
+    return names
+
+
+@dataclass
+class GemmPlan:
+    """Which backend runs a GEMM of a given row count (rows above the last bucket use the
+    last bucket's choice). Built once per replica; read by every linear layer."""
+
+    choices: dict[int, str] = field(default_factory=dict)  # bucket → backend name
+    timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def backend_for(self, rows: int) -> Callable:
+        for bucket in BUCKETS:
+            if rows <= bucket:
+                return BACKENDS[self.choices.get(bucket, "torch")]
+        return BACKENDS[self.choices.get(BUCKETS[-1], "torch")]
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str | None = None,
+    ) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, then silu(gate) * up for ``activation="silu_mul"``;
+        x is [rows, in]."""
+        out = self.backend_for(x.shape[0])(x, weight, bias)
+        if activation is None:
+            return out
+        gate, up = out.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    @classmethod
+    def measure(
+        cls,
+        weights: Sequence[torch.Tensor],
+        *,
+        buckets: Sequence[int] = BUCKETS,
+        cold_layers: int = 8,
+    ) -> GemmPlan:
+        """Time every available backend on ``weights`` (one layer's GEMM weights after
+        another, as a forward reads them) at each bucket's row count; keep the fastest.
+
+        Small row counts are memory-bound and sweep up to ``cold_layers`` layers' weights
+        so the caches do not flatter them; large ones are compute-bound and sweep fewer."""
+        plan = cls()
+        dtype = weights[0].dtype
+        names = available_backends(dtype, torch.get_num_threads())
+        sizes = sorted({w.shape[1] for w in weights})
+        for rows in buckets:
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in sizes}
+            sweep = weights if rows <= 16 else weights[: max(len(weights) // cold_layers, 4)]
+            timings = {}
+            for name in names:
+                backend = BACKENDS[name]
+                try:
+                    backend(inputs[sweep[0].shape[1]], sweep[0], None)
+                except RuntimeError:  # e.g. oneDNN without support for this dtype here
+                    continue
+                timings[name] = _best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
+            plan.timings_ms[rows] = timings
+            plan.choices[rows] = min(timings, key=timings.get)
+        return plan
+
+    def describe(self) -> str:
+        return ", ".join(f"{rows}:{name}" for rows, name in sorted(self.choices.items()))
+
+
+def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> None:
+    for weight in weights:
+        backend(inputs[weight.shape[1]], weight, None)
+
+
+def _best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def limit_blas_threads(threads: int) -> None:
+    """OpenBLAS keeps its own thread pool: size it as torch's, so a worker given one core
+    does not spread its GEMMs over two."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")

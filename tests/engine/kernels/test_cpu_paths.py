@@ -1,0 +1,134 @@
+"""The CPU production paths against their references: SDPA attention over gathered pages,
+the fused RMSNorm, the index_copy KV store, the sign-folded RoPE and the GEMM plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import RopeConfig
+from engine.cpu_gemm import BACKENDS, GemmPlan, available_backends
+from engine.kernels.cpu_attention import (
+    decode_attention_cpu,
+    decode_plan,
+    prefill_attention_cpu,
+    prefill_plan,
+)
+from engine.kernels.decode_attention import decode_attention_reference
+from engine.kernels.kv_store import store_kv_cpu, store_kv_reference
+from engine.kernels.prefill_attention import prefill_attention_reference
+from engine.kernels.rmsnorm import rmsnorm_cpu, rmsnorm_reference
+from engine.rope import RotaryEmbedding, apply_rotary
+from tests.engine.kernels.test_decode_attention import _paged_case
+from tests.engine.kernels.test_prefill_attention import _case
+
+DECODE_CASES = [
+    # dtype, hq, hkv, d, context lengths, fp8, tolerance
+    (torch.float32, 9, 3, 64, [1, 17, 40], False, 1e-5),
+    (torch.float32, 8, 2, 64, [16, 32], False, 1e-5),  # whole pages: no mask
+    (torch.float32, 4, 1, 128, [5, 200, 33], False, 1e-5),
+    (torch.bfloat16, 4, 2, 64, [5, 70], False, 2e-2),
+    (torch.float32, 8, 2, 64, [33, 150], True, 1e-5),
+]
+
+
+@pytest.mark.parametrize("dtype, hq, hkv, d, lens, fp8, tol", DECODE_CASES)
+def test_decode_attention_cpu_equals_reference(dtype, hq, hkv, d, lens, fp8, tol):
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(dtype, hq, hkv, d, lens, fp8=fp8)
+    plan = decode_plan(tables, lens, k.shape[1])
+    out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
+    expected = decode_attention_reference(q, k, v, ks, vs, tables, ctx, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+PREFILL_CASES = [
+    # dtype, hq, hkv, d, new lengths, prefix lengths, fp8, tolerance
+    (torch.float32, 9, 3, 64, [40], [0], False, 1e-5),
+    (torch.float32, 8, 2, 64, [7, 30, 1], [0, 20, 33], False, 1e-5),  # prefixes, a 1-token row
+    (torch.float32, 4, 4, 64, [16, 5], [16, 0], False, 1e-5),
+    (torch.bfloat16, 4, 2, 64, [20, 9], [3, 0], False, 2e-2),
+    (torch.float32, 8, 2, 64, [12, 18], [17, 0], True, 1e-5),
+]
+
+
+@pytest.mark.parametrize("dtype, hq, hkv, d, new, prefix, fp8, tol", PREFILL_CASES)
+def test_prefill_attention_cpu_equals_reference(dtype, hq, hkv, d, new, prefix, fp8, tol):
+    args, scale = _case(dtype, hq, hkv, d, new, prefix, fp8=fp8)
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    expected = prefill_attention_reference(*args, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_rmsnorm_cpu_is_the_reference_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 300):
+        x, r = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+        w = torch.randn(576, generator=g)
+        assert torch.equal(rmsnorm_cpu(x, w, 1e-5), rmsnorm_reference(x, w, 1e-5))
+        out, residual = rmsnorm_cpu(x, w, 1e-6, r)
+        expected, expected_residual = rmsnorm_reference(x, w, 1e-6, r)
+        assert torch.equal(out, expected) and torch.equal(residual, expected_residual)
+
+
+def test_store_kv_cpu_equals_reference_with_and_without_skipped_slots():
+    g = torch.Generator().manual_seed(0)
+    for slots in ([5, 6, 7, 40, 41], [3, -1, 9, -1]):
+        slot_mapping = torch.tensor(slots)
+        k = torch.randn(len(slots), 2, 8, generator=g)
+        v = torch.randn(len(slots), 2, 8, generator=g)
+        caches = [torch.zeros(4, 16, 2, 8) for _ in range(4)]
+        store_kv_cpu(k, v, caches[0], caches[1], slot_mapping)
+        store_kv_reference(k, v, caches[2], caches[3], None, None, slot_mapping)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_rotary_is_hf_rotate_half_bit_for_bit():
+    rope = RotaryEmbedding(RopeConfig(theta=1e5), 64, 2048)
+    positions = torch.randint(0, 2048, (300,), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(300, 12, 64)
+    half = torch.arange(0, 64, 2, dtype=torch.int64).float() / 64
+    angles = positions[:, None].float() * (1.0 / (1e5**half))[None]
+    angles = torch.cat((angles, angles), -1)[:, None]
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), -1)
+    expected = x * angles.cos() + rotated * angles.sin()  # transformers' apply_rotary_pos_emb
+    assert torch.equal(apply_rotary(x, *rope.tables(positions, torch.float32)), expected)
+
+
+@pytest.mark.parametrize("name", ["torch", "onednn", "openblas"])
+def test_every_gemm_backend_computes_the_linear(name):
+    x, w, b = torch.randn(5, 64), torch.randn(48, 64), torch.randn(48)
+    torch.testing.assert_close(BACKENDS[name](x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(BACKENDS[name](x, w, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_gemm_plan_measures_each_bucket_and_routes_by_rows():
+    weights = [torch.randn(96, 64), torch.randn(64, 96)] * 4
+    plan = GemmPlan.measure(weights, buckets=(1, 8, 64))
+    assert set(plan.choices) == {1, 8, 64}
+    assert all(
+        set(t) <= set(available_backends(torch.float32, torch.get_num_threads()))
+        for t in plan.timings_ms.values()
+    )
+    routed = GemmPlan(choices={1: "openblas", 8: "onednn", 64: "torch"})
+    assert (
+        routed.backend_for(1) is BACKENDS["openblas"]
+        and routed.backend_for(5) is BACKENDS["onednn"]
+    )
+    assert (
+        routed.backend_for(64) is BACKENDS["torch"]
+        and routed.backend_for(10_000) is BACKENDS["torch"]
+    )
+    x, w = torch.randn(3, 64), torch.randn(2 * 32, 64)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(routed.linear(x, w, activation="silu_mul"), F.silu(gate) * up)
+
+
+def test_openblas_is_offered_only_to_single_thread_workers():
+    assert "openblas" in available_backends(torch.float32, 1)
+    assert "openblas" not in available_backends(torch.float32, 2)
+    assert "openblas" not in available_backends(torch.bfloat16, 1)
