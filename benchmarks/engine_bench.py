@@ -12,22 +12,20 @@ first token.
 from __future__ import annotations
 
 import json
-import tempfile
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.roofline import (
-    best_of,
     gemm_tflops,
     prefill_flops,
     read_bandwidth_gbs,
     weight_bytes,
 )
 from engine import LLM, SamplingParams
-from engine.checkpoint import local_path
-from engine.tiny import TINY_NAME, save_tiny_checkpoint
 
 
 def add_engine_bench_parser(benches, default_model: str, model_help: str) -> None:
@@ -84,56 +82,6 @@ class EngineRunner:
         return max(total - prefill, 1e-9) / (new_tokens - 1)
 
 
-class TransformersRunner:
-    """transformers on the same weights and dtype: batched ``generate`` (what its users run
-    offline), one forward (``logits_to_keep=1``, as generate's prefill) for prefill."""
-
-    def __init__(self, model_source: str, dtype: torch.dtype, vocab: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self._tmp = None
-        if model_source == TINY_NAME:
-            self._tmp = tempfile.TemporaryDirectory()
-            save_tiny_checkpoint(self._tmp.name)
-            path = Path(self._tmp.name)
-        else:
-            path = local_path(model_source)
-        kwargs = {"gguf_file": path.name} if path.is_file() else {}
-        folder = path.parent if path.is_file() else path
-        # Loaded in fp32, then cast: transformers keeps a GGUF's blocks packed (its own
-        # dequantising kernels) when asked for another dtype, which is not the baseline.
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
-        self.model = model.to(dtype).eval()
-        self.vocab = vocab
-        self._seed = 10_000
-
-    def fresh(self, count: int, length: int) -> torch.Tensor:
-        self._seed += 1
-        return torch.tensor(_prompts(count, length, self.vocab, self._seed))
-
-    @torch.inference_mode()
-    def prefill_s(self, count: int, length: int) -> float:
-        ids = self.fresh(count, length)
-        return best_of(lambda: self.model(ids, use_cache=False, logits_to_keep=1), repeats=1)
-
-    @torch.inference_mode()
-    def decode_step_s(self, count: int, length: int, new_tokens: int) -> float:
-        ids = self.fresh(count, length)
-
-        def generate() -> None:
-            self.model.generate(
-                ids,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-
-        prefill = best_of(lambda: self.model(ids, use_cache=True, logits_to_keep=1), repeats=1)
-        total = best_of(generate, repeats=1)
-        return max(total - prefill, 1e-9) / (new_tokens - 1)
-
-
 def _shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in text.split(","):
@@ -146,6 +94,33 @@ def _blocks_needed(args, concurrencies, prefill_shapes, block_size: int = 16) ->
     decode = [c * (args.prompt_len + args.output_len) for c in concurrencies]
     prefill = [count * length for count, length in prefill_shapes]
     return max(decode + prefill) // block_size + 64
+
+
+def transformers_baseline(args, concurrencies, prefill_shapes) -> dict:
+    """transformers on the same weights, dtype and threads, in a process of its own (in
+    ours, its generate slowed our decode steps by up to 60%: shared allocator and thread
+    state)."""
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.transformers_baseline",
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(torch.get_num_threads()),
+        "--concurrency",
+        ",".join(map(str, concurrencies)),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--prefill",
+        ",".join(f"{c}x{n}" for c, n in prefill_shapes),
+    ]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_engine_benchmark(args) -> int:
@@ -173,68 +148,73 @@ def run_engine_benchmark(args) -> int:
     )
     ours = EngineRunner(llm)
     ours.decode_step_s(1, 16, 4)  # warm-up
-    theirs = None
-    if not args.no_baseline and engine.device.type == "cpu":
-        theirs = TransformersRunner(args.model, dtype, config.vocab_size)
 
     bandwidth = read_bandwidth_gbs()
     weights = weight_bytes(engine.model)
     bound_s = weights / (bandwidth * 1e9)
     print(
         f"bounds (same run): memory read {bandwidth:.1f} GB/s -> weights "
-        f"{weights / 1e6:.0f} MB read in {bound_s * 1e3:.1f} ms per decode step",
+        f"{weights / 1e6:.0f} MB read in {bound_s * 1e3:.1f} ms per decode step; "
+        f"CPU GEMM plan {engine.gemm_plan.describe() if engine.gemm_plan else '-'}",
         flush=True,
     )
 
-    decode = []
+    decode = [
+        {
+            "batch": count,
+            "ms_per_step": ours.decode_step_s(count, args.prompt_len, args.output_len) * 1e3,
+        }
+        for count in concurrencies
+    ]
+    prefill = []
+    for count, length in prefill_shapes:
+        seconds = ours.prefill_s(count, length)
+        prefill.append(
+            {
+                "shape": f"{count}x{length}",
+                "ms": seconds * 1e3,
+                "tok_s": count * length / seconds,
+                "tflops": prefill_flops(config, [length] * count) / seconds / 1e12,
+                # the bound: the faster of torch's GEMM and the engine's measured plan
+                "gemm_tflops": max(
+                    gemm_tflops(config, count * length, dtype),
+                    gemm_tflops(config, count * length, dtype, engine.model.linear),
+                ),
+            }
+        )
+    on_cpu = engine.device.type == "cpu"
+    if not args.no_baseline and on_cpu:
+        del llm, ours, engine  # free the memory; transformers runs in a process of its own
+        baseline = transformers_baseline(args, concurrencies, prefill_shapes)
+        for row, hf in zip(decode, baseline["decode_ms"], strict=True):
+            row["hf_ms_per_step"] = hf
+        for row, hf in zip(prefill, baseline["prefill_ms"], strict=True):
+            row["hf_ms"] = hf
+
     print(f"decode: prompt {args.prompt_len}, {args.output_len} new tokens")
     print(
         f"{'batch':>6} {'ms/step':>9} {'tok/s':>8} {'HF ms/step':>11} {'vs HF':>7} {'vs bound':>9}"
     )
-    for count in concurrencies:
-        step = ours.decode_step_s(count, args.prompt_len, args.output_len)
-        row = {"batch": count, "ms_per_step": step * 1e3, "tok_s": count / step}
+    for row in decode:
+        row["tok_s"] = row["batch"] / row["ms_per_step"] * 1e3
         row["bound_ms"] = bound_s * 1e3
-        if theirs is not None:
-            row["hf_ms_per_step"] = (
-                theirs.decode_step_s(count, args.prompt_len, args.output_len) * 1e3
-            )
-        decode.append(row)
         hf = row.get("hf_ms_per_step")
         print(
-            f"{count:>6} {row['ms_per_step']:>9.1f} {row['tok_s']:>8.0f} "
+            f"{row['batch']:>6} {row['ms_per_step']:>9.1f} {row['tok_s']:>8.0f} "
             + (f"{hf:>11.1f} {hf / row['ms_per_step']:>6.2f}x " if hf else f"{'-':>11} {'-':>7} ")
-            + f"{row['ms_per_step'] / row['bound_ms']:>8.2f}x",
-            flush=True,
+            + f"{row['ms_per_step'] / row['bound_ms']:>8.2f}x"
         )
-
-    prefill = []
     print("prefill: distinct prompts, one step each")
     print(
         f"{'shape':>8} {'ms':>9} {'tok/s':>8} {'HF ms':>9} {'vs HF':>7} "
         f"{'GEMM TFLOP/s':>13} {'of GEMM':>8}"
     )
-    for count, length in prefill_shapes:
-        seconds = ours.prefill_s(count, length)
-        tokens = count * length
-        peak = gemm_tflops(config, tokens, dtype)
-        achieved = prefill_flops(config, [length] * count) / seconds / 1e12
-        row = {
-            "shape": f"{count}x{length}",
-            "ms": seconds * 1e3,
-            "tok_s": tokens / seconds,
-            "tflops": achieved,
-            "gemm_tflops": peak,
-        }
-        if theirs is not None:
-            row["hf_ms"] = theirs.prefill_s(count, length) * 1e3
-        prefill.append(row)
+    for row in prefill:
         hf = row.get("hf_ms")
         print(
             f"{row['shape']:>8} {row['ms']:>9.0f} {row['tok_s']:>8.0f} "
             + (f"{hf:>9.0f} {hf / row['ms']:>6.2f}x " if hf else f"{'-':>9} {'-':>7} ")
-            + f"{peak:>13.3f} {achieved / peak:>7.0%}",
-            flush=True,
+            + f"{row['gemm_tflops']:>13.3f} {row['tflops'] / row['gemm_tflops']:>7.0%}"
         )
     print(
         "vs HF: transformers' time / ours (>1 = we are faster); vs bound: our step / the "

@@ -42,16 +42,16 @@ def model_gemms(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def gemm_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype) -> float:
-    """TFLOP/s of one layer's GEMMs at ``tokens`` rows in ``dtype``: the prefill bound at that
-    size (a forward made only of GEMMs)."""
+def gemm_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype, linear=F.linear) -> float:
+    """TFLOP/s of one layer's GEMMs at ``tokens`` rows in ``dtype`` through ``linear``: the
+    prefill bound at that size (a forward made only of GEMMs)."""
     shapes = model_gemms(config)
     weights = [torch.randn(n_out, n_in).to(dtype) for n_in, n_out in shapes]
     inputs = {n_in: torch.randn(tokens, n_in).to(dtype) for n_in, _ in shapes}
 
     def layer() -> None:
         for (n_in, _), weight in zip(shapes, weights, strict=True):
-            F.linear(inputs[n_in], weight)
+            linear(inputs[n_in], weight)
 
     seconds = best_of(layer, repeats=3)
     flops = sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)

@@ -239,6 +239,8 @@ class EngineConfig:
     # CPU GEMM library: auto = the fastest per row count, measured at start-up
     # (engine.cpu_gemm); or torch, onednn, openblas for every GEMM.
     cpu_gemm: str = "auto"
+    # CUDA: capture the decode forward as CUDA graphs at start-up (False: always eager)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size < 8:

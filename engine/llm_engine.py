@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, limit_blas_threads
+from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
@@ -94,6 +95,25 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
+        if self.device.type == "cuda":
+            self._warm_up_cuda()
+            self.num_prompt_tokens_computed = 0
+
+    def _warm_up_cuda(self) -> None:
+        """Compile and tune every kernel variant, run one request end to end, then capture
+        the decode graphs: serving never waits for a compile."""
+        warm_up_kernels(self.model, self.cache, self.config.max_num_batched_tokens)
+        probe = self.add_request(
+            list(range(1, 18)), SamplingParams(max_tokens=2, ignore_eos=True), "warm-up"
+        )
+        while self.has_request(probe.request_id):
+            self.step()
+        if self.config.cuda_graphs:
+            graphs = DecodeGraphs(
+                self.model, self.cache, min(self.config.max_num_seqs, 256), self.max_model_len
+            )
+            graphs.capture()
+            self.runner.graphs = graphs
 
     # ---- requests ---------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Seq[int]) -> list[int]:

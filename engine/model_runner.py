@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention_metadata import build_metadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledBatch
@@ -20,6 +21,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine once captured
 
     def run(
         self, batch: ScheduledBatch, layer_done: Callable[[int], None] | None = None
@@ -27,7 +29,10 @@ class ModelRunner:
         """Forward the batch. Returns (logits [n, V] fp32, indexes into batch.seqs of the n
         sequences whose prompt or token is now fully computed and so sample a token)."""
         input_ids, positions, meta, last_rows, sampling = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.cache, layer_done)
+        if self.graphs is not None and layer_done is None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.cache, layer_done)
         logits = (
             self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         )

@@ -58,23 +58,24 @@ def _decode_attention_split_kernel(
     bt_ptr,  # [B, max_blocks] int32
     stride_btb,
     ctx_ptr,  # [B] int32
-    out_ptr,  # NUM_SPLITS == 1: [B, Hq, D] final output; else [B, Hq, S, D] fp32 partials
+    out_ptr,  # SINGLE_SPLIT: [B, Hq, D] final output; else [B, Hq, S, D] fp32 partials
     stride_ob,
     stride_oh,
     stride_os,
     stride_od,
-    lse_ptr,  # [B, Hq, S] fp32 (unused when NUM_SPLITS == 1)
+    lse_ptr,  # [B, Hq, S] fp32 (unused when SINGLE_SPLIT)
     stride_lb,
     stride_lh,
     stride_ls,
     qk_scale,  # softmax_scale * log2(e)
+    num_splits,  # runtime: a new split count launches the same compiled kernel
     GROUP: tl.constexpr,  # q heads per kv head
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # phase 1 writes the final output
     IS_FP8: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: do all arithmetic in fp32
     DOT_PRECISION: tl.constexpr,
@@ -86,7 +87,7 @@ def _decode_attention_split_kernel(
 
     ctx_len = tl.load(ctx_ptr + seq)
     # Per-sequence split sizes, rounded to whole key tiles, balance ragged batches.
-    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx_len)
 
@@ -167,7 +168,7 @@ def _decode_attention_split_kernel(
     out_ptrs = (
         out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     )
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         if ROUND_BF16:
             out = round_to_bf16_grid(out)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -194,9 +195,9 @@ def _decode_attention_reduce_kernel(
     stride_ob,
     stride_oh,
     stride_od,
+    num_splits,  # runtime, at most BLOCK_S
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
@@ -204,7 +205,7 @@ def _decode_attention_reduce_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
 
     lse = tl.load(
@@ -442,6 +443,7 @@ def decode_attention_triton(
         lse,
         *lse_strides,
         softmax_scale * _LOG2E,
+        num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         # tl.dot needs M >= 16; padded q rows cost nothing extra in HBM traffic.
@@ -449,7 +451,7 @@ def decode_attention_triton(
         BLOCK_D=block_d,
         BLOCK_N=64,
         BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
+        SINGLE_SPLIT=num_splits == 1,
         IS_FP8=fp8,
         UPCAST=interpret,
         DOT_PRECISION="ieee" if (interpret or q.dtype == torch.float32) else "tf32",
@@ -465,9 +467,9 @@ def decode_attention_triton(
             *lse.stride(),
             out,
             *out.stride(),
+            num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             ROUND_BF16=round_bf16,
             num_warps=4 if block_d >= 128 else 2,
