@@ -171,6 +171,8 @@ class DecodeWorker(EngineWorker):
 
     def _admit(self, lease: Lease) -> None:
         """The KV receiver finished a transfer (on its thread): the blocks are now ours."""
+        if lease.ready_event is not None:  # CUDA: the engine's stream waits for the copies
+            torch.cuda.current_stream(self.engine.device).wait_event(lease.ready_event)
         with self.loop.lock:
             pending = self.pending.pop(lease.request_id, None)
             if pending is None:  # cancelled meanwhile: the blocks are ours to free

@@ -4,8 +4,9 @@ into the blocks a lease reserved in the decode worker's paged cache.
 One ``Push`` stream = one request's cache (see :mod:`kv_transfer.frames`). The handler checks
 the token, parses the handshake, attaches the stream to its lease, then for each frame checks
 the metadata against what the handshake promised (layer range, block range in order, payload
-size), decodes the payload outside the lock (bounded: one frame) and copies it into
-``cache.k[layer]`` / ``cache.v[layer]`` at the lease's block ids under the lease table's lock.
+size), decodes the payload (bounded: one frame) and copies it into ``cache.k[layer]`` /
+``cache.v[layer]`` at the lease's block ids through the lease table, which guarantees the
+blocks are still the lease's and holds no engine lock meanwhile (kv_transfer.lease).
 Any refusal or a broken stream releases the lease before the status goes back; a silent peer
 is caught by the lease deadline (sweeper thread) and by the RPC's deadline.
 
@@ -25,6 +26,7 @@ lock) and the counters (their own lock). Callers: the decode worker constructs, 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -529,6 +531,9 @@ class _Transfer:
         next_block = [0] * num_layers  # per layer: the next block index expected
         block_ids = torch.tensor(lease.block_ids, dtype=torch.int64, device=cache.device)
         on_cpu = cache.device.type == "cpu"
+        # CUDA: copies on a side stream of their own, so they never queue behind (or hold up)
+        # the engine's kernels; the end records an event the admission waits on.
+        copies = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         num_kv_frames = 0
         if self.data is not None:
             messages = _chain(self._data_messages(), it, self)
@@ -544,6 +549,9 @@ class _Transfer:
                     raise FrameError(
                         f"end frame counts {frame.num_kv_frames} kv frames, {num_kv_frames} arrived"
                     )
+                if copies is not None:
+                    lease.ready_event = torch.cuda.Event()
+                    lease.ready_event.record(copies)
                 leases.complete(lease, frame.first_token)
                 self.completed = True
                 return
@@ -565,14 +573,15 @@ class _Transfer:
                     f"{what}: layer {layer} frame starts at block {start}, "
                     f"expected {next_block[layer]}"
                 )
-            k, v, k_scale, v_scale = decode_chunk(
-                frame.payload, count, spec, cache.dtype, cache.device
-            )
-            if on_cpu:
-                ids = _runs(lease.block_ids, start, count)
-            else:
-                ids = block_ids[start : start + count]
-            leases.write(lease, _store, cache, layer, ids, k, v, k_scale, v_scale)
+            with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
+                k, v, k_scale, v_scale = decode_chunk(
+                    frame.payload, count, spec, cache.dtype, cache.device
+                )
+                if on_cpu:
+                    ids = _runs(lease.block_ids, start, count)
+                else:
+                    ids = block_ids[start : start + count]
+                leases.write(lease, _store, cache, layer, ids, k, v, k_scale, v_scale)
             next_block[layer] += count
             num_kv_frames += 1
             self.payload_bytes += memoryview(frame.payload).nbytes

@@ -202,10 +202,13 @@ class TransferStream:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         *,
+        first_block: int = 0,
         copy: bool = True,
     ) -> None:
-        """Ship one layer: blocks ``[n, bs, Hkv, D]`` of this sequence in block-table order
-        (any device). Scales ``[n, Hkv]`` are given when the source cache is fp8. Blocks while
+        """Ship blocks ``[first_block, first_block + n)`` of one layer: ``[n, bs, Hkv, D]`` in
+        block-table order (any device); by default the whole sequence. A long prompt's
+        chunks ship as they are computed: each layer's blocks must arrive in order, each
+        once. Scales ``[n, Hkv]`` are given when the source cache is fp8. Blocks while
         ``max_frames_in_flight`` frames are queued; raises KVTransferError if the receiver has
         already refused the stream. The caller may reuse the tensors once this returns, unless
         ``copy=False``: then the frames are sent straight from CPU tensors' memory, which the
@@ -213,26 +216,29 @@ class TransferStream:
         device are copied to the host either way)."""
         if self._closed:
             raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
-        n = self.handshake.num_blocks
-        if k_blocks.shape[0] != n:
+        total, count = self.handshake.num_blocks, k_blocks.shape[0]
+        if first_block < 0 or count < 1 or first_block + count > total:
             raise ValueError(
-                f"expected {n} blocks for {self.handshake.num_tokens} tokens, got "
-                f"{k_blocks.shape[0]}"
+                f"blocks [{first_block}, {first_block + count}) are not within the "
+                f"{total} blocks of {self.handshake.num_tokens} tokens"
             )
+        block_size = k_blocks.shape[1]
         layer_payload = encode_layer(
             k_blocks,
             v_blocks,
             wire_dtype=self.handshake.wire_dtype,
-            num_tokens=self.handshake.num_tokens,
+            num_tokens=min(
+                self.handshake.num_tokens - first_block * block_size, count * block_size
+            ),
             k_scale=k_scale,
             v_scale=v_scale,
         )
         # Queued frames are views of these tensors: own them, so the caller may reuse its own.
         if copy:
             layer_payload = _owned(layer_payload, (k_blocks, v_blocks, k_scale, v_scale))
-        for start, count, parts in layer_chunk_parts(layer_payload, self._blocks_per_frame):
+        for start, n, parts in layer_chunk_parts(layer_payload, self._blocks_per_frame):
             # The checksum is taken by the drain thread, off the engine's thread.
-            self._put((_KV, (layer, start, count, parts)))
+            self._put((_KV, (layer, first_block + start, n, parts)))
             self.payload_bytes += sum(p.nbytes for p in parts)
             self._num_kv_frames += 1
 

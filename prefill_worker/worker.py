@@ -4,9 +4,9 @@ layer, into the blocks a decode worker reserved for them; returns the first toke
 Prompts waiting here are batched up to the engine's token budget and long ones are chunked
 (the engine's scheduler); prompts sharing a prefix reuse its cached blocks (prefix cache),
 so a repeated system prompt is not recomputed. Each request samples exactly one token here.
-While the final chunk of a prompt runs, every finished layer's blocks (the whole prompt,
-cached prefix included) are handed to the KV sender, which ships them while later layers
-compute.
+While a chunk of a prompt runs, every finished layer's newly complete blocks (the first
+chunk also ships the cached prefix; the last, the partial tail block) are handed to the KV
+sender, which ships them while later layers and later chunks compute.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class PrefillJob:
     first_token: int | None = None
     logprob: dict | None = None
     num_cached_tokens: int = 0
+    blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -194,20 +195,27 @@ class PrefillWorker:
             return sender
 
     def _layer_hook(self, batch: ScheduledBatch):
-        """For the prompts whose last chunk is in this batch: ship each layer's blocks as
-        soon as the layer is done."""
-        finishing = []
+        """For every prompt in this batch: ship each layer's newly complete blocks as soon as
+        the layer is done (a chunk's full blocks; at the last chunk, the rest)."""
+        shipping = []
+        block_size = self.engine.cache.block_size
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             job = self.jobs.get(seq.request_id)
-            if job is not None and seq.num_computed_tokens + count == seq.num_tokens:
-                blocks = torch.tensor(seq.block_table, dtype=torch.int64, device=self.engine.device)
-                finishing.append((job, blocks))
-        if not finishing:
+            if job is None or job.error is not None:
+                continue
+            end = seq.num_computed_tokens + count
+            upto = job.stream.handshake.num_blocks if end == seq.num_tokens else end // block_size
+            if upto > job.blocks_sent:
+                table = seq.block_table[job.blocks_sent : upto]
+                blocks = torch.tensor(table, dtype=torch.int64, device=self.engine.device)
+                shipping.append((job, blocks, job.blocks_sent))
+                job.blocks_sent = upto
+        if not shipping:
             return None
         cache = self.engine.cache
 
         def layer_done(layer: int) -> None:
-            for job, blocks in finishing:
+            for job, blocks, first_block in shipping:
                 if job.error is not None:
                     continue
                 k_scale = v_scale = None
@@ -221,6 +229,7 @@ class PrefillWorker:
                         cache.v[layer].index_select(0, blocks),
                         k_scale,
                         v_scale,
+                        first_block=first_block,
                     )
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"

@@ -87,3 +87,35 @@ def test_begin_checks_request_and_state_and_write_checks_ownership():
     with pytest.raises(LeaseExpiredError):
         table.complete(late, 3)
     assert done == [] and blocks.num_free_blocks == 8
+
+
+def test_writes_take_no_engine_lock_and_a_release_waits_for_a_copy_in_flight():
+    """The engine loop holds its lock for whole steps: a frame's copy must not wait for it.
+    A lease released (expired, aborted) while a copy is in flight gives its blocks back only
+    when that copy has ended, and no copy starts after the release."""
+    table, blocks, clock = _table()
+    lease = table.reserve("r", 32)
+    table.begin(lease.lease_id, "r")
+    with table.engine_lock:  # the loop is in a long step...
+        copied = threading.Event()
+        writer = threading.Thread(target=lambda: table.write(lease, copied.set))
+        writer.start()
+        assert copied.wait(2.0)  # ...and the copy went ahead anyway
+        writer.join()
+    in_copy, finish = threading.Event(), threading.Event()
+
+    def slow_copy():
+        in_copy.set()
+        assert finish.wait(2.0)
+
+    writer = threading.Thread(target=lambda: table.write(lease, slow_copy))
+    writer.start()
+    assert in_copy.wait(2.0)
+    clock.now += 10.0
+    assert table.expire() == [lease.lease_id]  # released while the copy is in flight
+    assert blocks.num_free_blocks == 8 - 2  # ...but the blocks are not back yet
+    with pytest.raises(LeaseExpiredError, match="released during the transfer"):
+        table.write(lease, lambda: pytest.fail("a copy started after the release"))
+    finish.set()
+    writer.join()
+    assert blocks.num_free_blocks == 8  # the copy ended: now they are

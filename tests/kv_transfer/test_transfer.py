@@ -419,3 +419,61 @@ def _wait(cond, timeout=5.0):
         if time.monotonic() > end:
             raise AssertionError("condition not reached in time")
         time.sleep(0.01)
+
+
+def test_a_transfer_completes_while_the_engine_holds_its_lock(receiver):
+    """The decode engine holds its lock for each whole step: the frames land anyway, and only
+    the hand-off (on_complete, not used here) would wait for it."""
+    lease = receiver.leases.reserve("req-busy", 3 * BLOCK_SIZE)
+    k, v = _layers(3, receiver.cache.dtype, seed=5)
+    held = threading.Event()
+    release = threading.Event()
+
+    def long_step():
+        with receiver.lock:
+            held.set()
+            release.wait(20)
+
+    stepping = threading.Thread(target=long_step)
+    stepping.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        _send(receiver.address, lease, k, v, max_frame_bytes=4096)  # several frames per layer
+        assert time.monotonic() - started < 5 and release.is_set() is False
+        for layer in range(L):
+            assert equal_bytes(receiver.cache.k[layer, lease.block_ids], k[layer])
+            assert equal_bytes(receiver.cache.v[layer, lease.block_ids], v[layer])
+    finally:
+        release.set()
+        stepping.join()
+    assert lease.state == "complete"
+
+
+def test_a_write_after_expiry_never_lands(receiver):
+    """A sender that stalls past the lease's deadline: its later frames are refused and the
+    blocks, back in the pool, keep what their next owner writes."""
+    lease = receiver.leases.reserve("req-late", 2 * BLOCK_SIZE, timeout_s=0.3)
+    k, v = _layers(2, receiver.cache.dtype, seed=6)
+    with KVSender(receiver.address, TOKEN) as sender:
+        stream = sender.open(
+            lease.request_id,
+            lease.lease_id,
+            FINGERPRINT,
+            BLOCK_SIZE,
+            lease.num_tokens,
+            L,
+            "passthrough",
+            k.dtype,
+        )
+        stream.send_layer(0, k[0], v[0])
+        time.sleep(0.8)  # past the deadline: the sweeper releases the lease
+        assert receiver.leases.active() == 0
+        before = snapshot(receiver.cache)
+        with pytest.raises(KVTransferError):
+            for layer in range(1, L):
+                stream.send_layer(layer, k[layer], v[layer])
+            stream.finish(first_token=3)
+    for old, new in zip(before, snapshot(receiver.cache), strict=True):
+        assert equal_bytes(old, new)  # nothing landed after the expiry
+    assert receiver.free_blocks() == receiver.cache.num_blocks

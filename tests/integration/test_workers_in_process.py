@@ -1,0 +1,103 @@
+"""The prefill and decode workers' own logic, in one process (no Ray): a long prompt's KV
+ships chunk by chunk as its prefill chunks compute, and a transfer lands while the decode
+engine is busy stepping (it holds its lock for each whole step)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from decode_worker.worker import DecodeWorker
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.worker_options import KVTransferOptions, WorkerOptions
+from prefill_worker.worker import PrefillWorker
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def options(**engine) -> dict:
+    return WorkerOptions(
+        model="tiny",
+        engine=EngineConfig(num_kv_blocks=128, **engine),
+        kv=KVTransferOptions(token="in-process", wire_dtype="passthrough"),
+    ).to_dict()
+
+
+@pytest.fixture
+def workers():
+    decode = DecodeWorker(options(), "decode-0")
+    prefill = PrefillWorker(options(max_num_batched_tokens=32), "prefill-0")
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def collect(decode: DecodeWorker, request_id: str) -> list[int]:
+    tokens = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        delta = decode.poll(0.05).get(request_id)
+        if delta is not None:
+            tokens += delta["token_ids"]
+            if delta["finish_reason"]:
+                return tokens
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def test_a_long_prompt_streams_its_kv_chunk_by_chunk(workers):
+    prefill, decode = workers
+    prompt = [(i * 13) % 250 + 3 for i in range(150)]  # 5 chunks of at most 32 tokens
+    sent = []
+
+    def spy(stream_open):
+        def open_(*args, **kwargs):
+            stream = stream_open(*args, **kwargs)
+            original = stream.send_layer
+
+            def send(layer, k, v, *rest, first_block=0, **kw):
+                sent.append((layer, first_block, k.shape[0]))
+                return original(layer, k, v, *rest, first_block=first_block, **kw)
+
+            stream.send_layer = send
+            return stream
+
+        return open_
+
+    sender = prefill._sender(decode.info()["kv_address"])
+    sender.open = spy(sender.open)
+    reservation = decode.reserve("long", prompt, GREEDY)
+    result = prefill.prefill(
+        "long", prompt, GREEDY, reservation["kv_address"], reservation["lease_id"]
+    )
+    tokens = collect(decode, "long")
+    assert (
+        tokens
+        == LLM("tiny", num_kv_blocks=64, progress=False).generate([prompt], GREEDY)[0].token_ids
+    )
+    assert tokens[0] == result["first_token"]
+    layer0 = [(start, n) for layer, start, n in sent if layer == 0]
+    assert len(layer0) >= 4  # one send per chunk, not one at the end
+    assert sum(n for _, n in layer0) == -(-len(prompt) // 16)
+    assert [start for start, _ in layer0] == sorted(start for start, _ in layer0)
+
+
+def test_a_transfer_lands_while_decode_steps_continuously(workers):
+    prefill, decode = workers
+    llm = LLM("tiny", num_kv_blocks=64, progress=False)
+    busy = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    for i in range(8):  # keep the decode engine stepping the whole time
+        prompt = [(i * 7 + j) % 250 + 3 for j in range(20)]
+        reservation = decode.reserve(f"busy-{i}", prompt, busy)
+        prefill.prefill(
+            f"busy-{i}", prompt, busy, reservation["kv_address"], reservation["lease_id"]
+        )
+    prompt = [(j * 5) % 250 + 3 for j in range(90)]
+    started = time.monotonic()
+    reservation = decode.reserve("probe", prompt, GREEDY)
+    prefill.prefill("probe", prompt, GREEDY, reservation["kv_address"], reservation["lease_id"])
+    assert collect(decode, "probe") == llm.generate([prompt], GREEDY)[0].token_ids
+    assert time.monotonic() - started < 10
+    for i in range(8):
+        decode.cancel(f"busy-{i}")
