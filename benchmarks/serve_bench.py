@@ -7,9 +7,11 @@ do not wait for responses (open loop), so a slow server builds a queue as real t
 The run stops by itself: no arrivals after ``--duration`` seconds or ``--max-requests``, and
 requests still running ``--timeout`` seconds after that are abandoned (counted as failures).
 
-Reports p50/p90/p99 of TTFT (send → first token), TPOT ((last − first token) / (tokens − 1))
-and end-to-end latency, throughput (requests/s, output tokens/s), goodput (requests/s meeting
-both SLOs) and failures.
+Reports p50/p90/p99 of TTFT (send → first token), TPOT ((last − first token) / (tokens − 1)),
+ITL (the gaps between deliveries of tokens) and end-to-end latency, throughput (requests/s,
+output tokens/s), goodput (requests/s meeting both SLOs) and failures; and where the time to
+first token went, per stage (the router's ``timings_ms``, router/timeline.py), with the
+largest named.
 
 Distributions (``--input-len``, ``--output-len``): ``128`` (fixed), ``uniform:64:256``
 (inclusive), ``normal:128:32`` (rounded, at least 1).
@@ -71,6 +73,8 @@ class RequestResult:
     tpot_s: float | None = None
     e2e_s: float | None = None
     num_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # gaps between token deliveries
+    timings_ms: dict[str, float] | None = None  # the router's TTFT stages
 
 
 @dataclass
@@ -118,6 +122,7 @@ async def _one(
         "temperature": 0,
         "stream": True,
         "return_token_ids": True,  # count tokens exactly, whatever the text looks like
+        "return_timings": True,  # where the time to first token went
     }
     if cfg.model:
         body["model"] = cfg.model
@@ -138,10 +143,15 @@ async def _one(
                     result.error = "stream error"
                     result.detail = str(chunk["error"])[:300]
                     return result
+                if chunk.get("timings_ms"):
+                    result.timings_ms = chunk["timings_ms"]
                 for choice in chunk.get("choices", []):
                     n = len(choice.get("token_ids") or [])
                     if n:
-                        last = time.perf_counter()
+                        now = time.perf_counter()
+                        if last is not None:
+                            result.itl_s.append(now - last)
+                        last = now
                         first = first or last
                         result.num_tokens += n
     except (httpx.HTTPError, json.JSONDecodeError) as err:
@@ -226,6 +236,10 @@ def summarize(
         return cfg.slo_tpot_ms is None or tpot * 1e3 <= cfg.slo_tpot_ms
 
     ms = lambda xs: [x * 1e3 for x in xs if x is not None]
+    stages: dict[str, list[float]] = {}
+    for r in ok:
+        for stage, value in (r.timings_ms or {}).items():
+            stages.setdefault(stage, []).append(value)
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -239,6 +253,8 @@ def summarize(
         "ttft_ms": _percentiles(ms(r.ttft_s for r in ok)),
         "tpot_ms": _percentiles(ms(r.tpot_s for r in ok)),
         "e2e_ms": _percentiles(ms(r.e2e_s for r in ok)),
+        "itl_ms": _percentiles(ms(gap for r in ok for gap in r.itl_s)),
+        "ttft_stages_ms": {stage: _percentiles(values) for stage, values in stages.items()},
     }
 
 
@@ -256,8 +272,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{'ms':<10}{'p50':>9}{'p90':>9}{'p99':>9}",
         row("TTFT", summary["ttft_ms"]),
         row("TPOT", summary["tpot_ms"]),
+        row("ITL", summary["itl_ms"]),
         row("e2e", summary["e2e_ms"]),
     ]
+    stages = summary.get("ttft_stages_ms") or {}
+    if stages:
+        lines.append("TTFT by stage, ms (p50 / mean):")
+        for stage, d in stages.items():
+            lines.append(f"  {stage:<15}{d['p50']:9.1f}{d['mean']:9.1f}")
+        largest = max(stages, key=lambda s: stages[s]["mean"] or 0.0)
+        lines.append(f"largest: {largest} ({stages[largest]['mean']:.1f} ms mean)")
     return "\n".join(lines)
 
 

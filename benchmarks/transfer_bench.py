@@ -266,6 +266,12 @@ def add_transfer_parser(bench_subparsers) -> None:
         action="store_true",
         help="send the kv frames over the opt-in TCP data channel instead of the gRPC stream",
     )
+    p.add_argument(
+        "--into-decode-worker",
+        action="store_true",
+        help="also: transfers into a real decode worker, idle and decoding a batch of 16",
+    )
+    p.add_argument("--model", default=None, help="its model (default: the default model)")
     p.add_argument("--json-out", default=None, help="also write the rows as JSON here")
     p.set_defaults(func=run_transfer_cli)
 
@@ -288,6 +294,15 @@ def run_transfer_cli(args) -> int:
     print(format_header(modes))
     for row in rows:
         print(format_row(row, modes))
+    busy = None
+    if args.into_decode_worker:
+        from benchmarks.transfer_busy_bench import format_result, measure_into_decode_worker
+        from engine.named_models import DEFAULT_MODEL
+
+        busy = measure_into_decode_worker(args.model or DEFAULT_MODEL)
+        print(format_result(busy))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps({"rows": rows, "into_decode_worker": busy}, indent=2)
+        )
     return 0

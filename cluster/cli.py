@@ -136,6 +136,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (default 2000)")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT target (default 200)")
     p.add_argument(
+        "--slo-absolute",
+        action="store_true",
+        help="hold the SLO targets as absolutes, even where one request alone takes most of "
+        "them (default: they are floors, scaled to what the hardware does alone)",
+    )
+    p.add_argument(
         "--no-slo-admission",
         action="store_true",
         help="admit by the static queue limits only, not by the SLO targets",
@@ -184,6 +190,8 @@ def serve_config(args) -> ClusterConfig:
     for flag, key in (("slo_ttft_ms", "ttft_ms"), ("slo_tpot_ms", "tpot_ms")):
         if getattr(args, flag) is not None:
             data.setdefault("slo", {})[key] = getattr(args, flag)
+    if args.slo_absolute:
+        data.setdefault("slo", {})["scale_with_hardware"] = False
     if args.no_slo_admission:
         data["router"].setdefault("limits", {})["slo_admission"] = False
     return ClusterConfig.from_dict(data)

@@ -78,11 +78,18 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class SLOConfig:
-    """Latency targets: the ``percentile`` of TTFT (prefill pool) and TPOT (decode pool)."""
+    """Latency targets: the ``percentile`` of TTFT (prefill pool) and TPOT (decode pool).
+
+    ``scale_with_hardware`` (SLO-aware admission): the targets are floors. Where one request
+    alone takes most of them (a real model on a CPU), a request is refused only when its
+    forecast passes 4x its own prefill, and a decode replica is held to 3x its own
+    batch-of-one step: refusal is for overload, not for hardware no schedule could make
+    faster. False: the targets are absolute."""
 
     ttft_ms: float = 2000.0
     tpot_ms: float = 200.0
     percentile: float = 90.0
+    scale_with_hardware: bool = True
 
     def __post_init__(self) -> None:
         if self.ttft_ms <= 0 or self.tpot_ms <= 0:

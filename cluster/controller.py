@@ -35,6 +35,8 @@ from router.actor import RouterActor
 
 logger = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 3.0  # per actor's own shutdown, before it is killed
+
 WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
 # Prefill calls block a thread each while their prompt waits in the engine's queue.
 CONCURRENCY = {"prefill": 512, "decode": 64, "colocated": 64}
@@ -124,11 +126,11 @@ class Controller:
                 await self._loop_task
         if self.router is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.router.stop.remote(), timeout=10)
+                await asyncio.wait_for(self.router.stop.remote(), timeout=STOP_TIMEOUT_S)
             ray.kill(self.router)
             self.router = None
-        for record in list(self.replicas.values()):
-            await self._stop_actor(record)
+        # Side by side: a shutdown with requests in flight ends in seconds, not per actor.
+        await asyncio.gather(*(self._stop_actor(r) for r in list(self.replicas.values())))
         self.replicas.clear()
 
     # ---- replicas -------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class Controller:
 
     async def _stop_actor(self, record: ReplicaRecord) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(record.handle.shutdown.remote(), timeout=10)
+            await asyncio.wait_for(record.handle.shutdown.remote(), timeout=STOP_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(record.handle)
         record.state = "stopped"

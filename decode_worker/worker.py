@@ -5,7 +5,9 @@ Request life on this worker:
 1. ``reserve`` (router, before prefill starts): validate, lease blocks for the prompt's KV.
    No capacity → ``NoCapacityError`` (the router tries another replica or answers 429).
 2. The KV receiver (gRPC threads) writes the prefill worker's blocks into the lease; its
-   final frame carries the first token and admits the request to the engine.
+   final frame carries the first token and hands the request over (``_arrive``); the
+   engine loop admits it before its next step, so the transfer's acknowledgement never
+   waits for a decode step.
 3. The engine loop decodes; each step's tokens go to the outbox; the router ``poll``s.
 4. Finish, ``cancel`` (client gone) or a lease that expires (prefill died, transfer stalled)
    frees every block and ends the stream with a reason.
@@ -13,6 +15,7 @@ Request life on this worker:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -48,14 +51,16 @@ class PendingRequest:
 class EngineWorker:
     """What decode and colocated workers share: an engine on a loop thread, an outbox."""
 
-    def __init__(self, options: dict, name: str) -> None:
+    def __init__(self, options: dict, name: str, intake=None) -> None:
         self.options = WorkerOptions.from_dict(options)
         if self.options.torch_threads:
             torch.set_num_threads(self.options.torch_threads)
         self.name = name
         self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
         self.outbox = TokenOutbox()
-        self.loop = ServingLoop(self.engine, self._publish, on_error=self._fail_all, name=name)
+        self.loop = ServingLoop(
+            self.engine, self._publish, on_error=self._fail_all, intake=intake, name=name
+        )
         self.started_at = time.time()
 
     def _publish(self, result: StepResult) -> None:
@@ -117,12 +122,13 @@ class EngineWorker:
 
 class DecodeWorker(EngineWorker):
     def __init__(self, options: dict, name: str = "decode-0") -> None:
-        super().__init__(options, name)
+        self._arrived: collections.deque[Lease] = collections.deque()  # transfers done
+        super().__init__(options, name, intake=self._admit_arrived)
         kv = self.options.kv
         self.pending: dict[str, PendingRequest] = {}
         self._last_expire = 0.0
         self.leases = LeaseTable(
-            self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._admit
+            self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._arrive
         )
         self.receiver = KVReceiverServer(
             self.engine.cache,
@@ -169,34 +175,40 @@ class DecodeWorker(EngineWorker):
             )
         return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
 
+    def _arrive(self, lease: Lease) -> None:
+        """The KV receiver finished a transfer (on its thread): the blocks are now ours. They
+        are admitted by the engine loop before its next step; the receiver does not wait."""
+        self._arrived.append(lease)
+        self.loop.wake()
+
+    def _admit_arrived(self) -> None:
+        """On the engine loop, its lock held: start decoding every request whose KV arrived."""
+        while self._arrived:
+            self._admit(self._arrived.popleft())
+
     def _admit(self, lease: Lease) -> None:
-        """The KV receiver finished a transfer (on its thread): the blocks are now ours."""
         if lease.ready_event is not None:  # CUDA: the engine's stream waits for the copies
             torch.cuda.current_stream(self.engine.device).wait_event(lease.ready_event)
-        with self.loop.lock:
-            pending = self.pending.pop(lease.request_id, None)
-            if pending is None:  # cancelled meanwhile: the blocks are ours to free
+        pending = self.pending.pop(lease.request_id, None)
+        if pending is None:  # cancelled meanwhile: the blocks are ours to free
+            self.engine.block_manager.free(list(lease.block_ids))
+            return
+        try:
+            _, result = self.engine.admit_prefilled(
+                pending.prompt_token_ids,
+                pending.params,
+                pending.request_id,
+                list(lease.block_ids),
+                lease.first_token,
+            )
+        except Exception as err:  # noqa: BLE001 - never strand the blocks or the stream
+            if self.engine.has_request(pending.request_id):
+                self.engine.abort(pending.request_id)  # frees its blocks
+            else:
                 self.engine.block_manager.free(list(lease.block_ids))
-                return
-            try:
-                _, result = self.engine.admit_prefilled(
-                    pending.prompt_token_ids,
-                    pending.params,
-                    pending.request_id,
-                    list(lease.block_ids),
-                    lease.first_token,
-                )
-            except Exception as err:  # noqa: BLE001 - never strand the blocks or the stream
-                if self.engine.has_request(pending.request_id):
-                    self.engine.abort(pending.request_id)  # frees its blocks
-                else:
-                    self.engine.block_manager.free(list(lease.block_ids))
-                self.outbox.finish(
-                    pending.request_id, "error", f"{self.name}: admission failed: {err}"
-                )
-                return
-            self._publish(result)
-        self.loop.wake()
+            self.outbox.finish(pending.request_id, "error", f"{self.name}: admission failed: {err}")
+            return
+        self._publish(result)
 
     def _expire(self) -> None:
         """End pending requests whose lease is gone (transfer failed, timed out or stalled).

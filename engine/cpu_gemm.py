@@ -10,13 +10,23 @@ row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row cou
 
 A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
 the weights of several layers, so each is read cold as in a real decode step.
+
+The plan is measured once per machine and model shape and kept on disk (``cached_plan``):
+every replica on a machine then computes with the same libraries, so their results round
+alike (a request moved between replicas continues exactly), and start-up skips the timing.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -120,6 +130,59 @@ class GemmPlan:
 
     def describe(self) -> str:
         return ", ".join(f"{rows}:{name}" for rows, name in sorted(self.choices.items()))
+
+
+def plan_cache_dir() -> Path:
+    return (
+        Path(os.environ.get("PDCLUSTER_CACHE") or Path.home() / ".cache" / "pdcluster")
+        / "gemm-plans"
+    )
+
+
+def cached_plan(weights: Sequence[torch.Tensor], directory: Path | None = None) -> GemmPlan:
+    """The plan for these weights on this machine at the current thread count: read from
+    the cache, or measured (under a file lock, so replicas starting together measure once)
+    and stored."""
+    directory = directory or plan_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    key = _plan_key(weights)
+    path = directory / f"{key}.json"
+    with open(directory / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(path.read_text())
+            return GemmPlan(choices={int(k): v for k, v in data["choices"].items()})
+        except (OSError, ValueError, KeyError):
+            pass  # not measured yet here (or unreadable): measure now
+        plan = GemmPlan.measure(weights)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps({"choices": plan.choices, "timings_ms": plan.timings_ms}))
+        os.replace(partial, path)
+        return plan
+
+
+def _plan_key(weights: Sequence[torch.Tensor]) -> str:
+    """What a plan depends on: the CPU, torch, the thread count, the weights' shapes."""
+    parts = [
+        platform.machine(),
+        _cpu_model(),
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        str(torch.get_num_threads()),
+        str(weights[0].dtype),
+        ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> None:

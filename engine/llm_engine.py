@@ -19,7 +19,7 @@ import torch
 from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
-from engine.cpu_gemm import GemmPlan, limit_blas_threads
+from engine.cpu_gemm import GemmPlan, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -30,6 +30,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.step_cost import StepCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +42,18 @@ class StepResult:
 
     new_tokens: list[tuple[str, int, TokenLogprobs | None]]
     finished: list[RequestOutput]
+    seconds: float = 0.0  # the step's wall time
 
 
 def cpu_gemm_plan(model, choice: str) -> GemmPlan:
-    """The GEMM backend per row count: measured on the model's weights for "auto"."""
+    """The GEMM backend per row count: for "auto", measured on this machine (once: cached)."""
     limit_blas_threads(torch.get_num_threads())
     if choice != "auto":
         from engine.cpu_gemm import BUCKETS
 
         return GemmPlan(choices=dict.fromkeys(BUCKETS, choice))
     with torch.inference_mode():
-        plan = GemmPlan.measure(model.gemm_weights())
+        plan = cached_plan(model.gemm_weights())
     logger.info("CPU GEMM plan (rows: backend): %s", plan.describe())
     return plan
 
@@ -95,9 +97,11 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
+        self.step_cost = StepCostModel()  # this replica's capacity, from its own steps
         if self.device.type == "cuda":
             self._warm_up_cuda()
             self.num_prompt_tokens_computed = 0
+            self.step_cost = StepCostModel()  # compiles and captures are not its steps
 
     def _warm_up_cuda(self) -> None:
         """Compile and tune every kernel variant, run one request end to end, then capture
@@ -199,6 +203,7 @@ class LLMEngine:
             "free_blocks": bm.num_free_blocks,
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "step_cost": None if (cost := self.step_cost.estimate()) is None else cost.to_dict(),
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "preemptions": self.scheduler.num_preemptions,
             "max_num_seqs": self.config.max_num_seqs,
@@ -228,16 +233,16 @@ class LLMEngine:
 
         ``layer_hook(batch)``, if given, returns the ``layer_done(i)`` callback the model calls
         after each layer (the prefill worker streams KV from it)."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult([], [])
+        prompt_tokens = 0
         layer_done = layer_hook(batch) if layer_hook is not None else None
         logits, sampling = self.runner.run(batch, layer_done)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    count, seq.num_prompt_tokens - seq.num_computed_tokens
-                )
+                prompt_tokens += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += count
             seq.num_registered_blocks = self.block_manager.register_full_blocks(
                 seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.num_registered_blocks
@@ -250,6 +255,10 @@ class LLMEngine:
             )
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                 self._accept_token(seq, token, lp, result)
+        self.num_prompt_tokens_computed += prompt_tokens
+        result.seconds = time.perf_counter() - started
+        decode_rows = 0 if prompt_tokens else len(batch.seqs)
+        self.step_cost.record(decode_rows, prompt_tokens, result.seconds)
         return result
 
     def admit_prefilled(

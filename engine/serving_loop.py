@@ -1,7 +1,10 @@
 """Runs an LLMEngine on a background thread, for the serving workers.
 
 Other threads (Ray actor calls, the KV receiver) change the engine only while holding
-``lock``; the loop holds it for each step and lets waiting callers in between steps. ``wake()`` tells an idle loop there is work.
+``lock``; the loop holds it for each step and lets waiting callers in between steps.
+``wake()`` tells an idle loop there is work. ``intake``, if given, runs on the loop thread
+with the lock held before every step: work handed over by threads that must not wait for a
+step themselves (the KV receiver's arrived requests).
 Every step's result goes to ``on_result`` (called on the loop thread, with the lock held).
 An exception inside a step is handed to ``on_error`` and the loop keeps serving: one bad
 batch must not take the worker down.
@@ -60,6 +63,7 @@ class ServingLoop:
         *,
         on_error: Callable[[Exception], None] | None = None,
         layer_hook: LayerHook | None = None,
+        intake: Callable[[], None] | None = None,
         name: str = "engine-loop",
     ) -> None:
         self.engine = engine
@@ -67,6 +71,7 @@ class ServingLoop:
         self._on_result = on_result
         self._on_error = on_error
         self._layer_hook = layer_hook
+        self._intake = intake
         self._work = threading.Condition(self.lock.rlock)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -89,7 +94,11 @@ class ServingLoop:
     def _run(self) -> None:
         while True:
             with self.lock.rlock:  # the loop's own hold is not counted as waiting
-                while not self._stopped and not self.engine.has_unfinished():
+                while not self._stopped:
+                    if self._intake is not None:
+                        self._intake()
+                    if self.engine.has_unfinished():
+                        break
                     self._work.wait(timeout=1.0)
                 if self._stopped:
                     return

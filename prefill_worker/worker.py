@@ -45,6 +45,8 @@ class PrefillJob:
     blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # its first chunk's step began
+    computed: float | None = None  # its first token was sampled
 
 
 class PrefillWorker:
@@ -133,13 +135,20 @@ class PrefillWorker:
         except Exception as err:  # the receiver's status, or a broken channel
             self.failed += 1
             raise PrefillError(f"{self.name}: KV transfer of {request_id} failed: {err}") from None
-        self.transfer_seconds += time.monotonic() - transfer_start
+        finished = time.monotonic()
+        self.transfer_seconds += finished - transfer_start
         self.completed += 1
+        scheduled = job.scheduled or job.started
+        computed = job.computed or transfer_start
         return {
             "first_token": job.first_token,
             "logprob": job.logprob,
             "num_cached_tokens": seq.num_cached_tokens,
-            "prefill_s": time.monotonic() - job.started,
+            "prefill_s": finished - job.started,
+            # where the worker's time went (router/timeline.py)
+            "wait_s": scheduled - job.started,
+            "compute_s": computed - scheduled,
+            "transfer_finish_s": finished - computed,
             "transfer": dataclasses.asdict(transfer)
             if dataclasses.is_dataclass(transfer)
             else transfer,
@@ -203,6 +212,8 @@ class PrefillWorker:
             job = self.jobs.get(seq.request_id)
             if job is None or job.error is not None:
                 continue
+            if job.scheduled is None:
+                job.scheduled = time.monotonic()
             end = seq.num_computed_tokens + count
             upto = job.stream.handshake.num_blocks if end == seq.num_tokens else end // block_size
             if upto > job.blocks_sent:
@@ -247,6 +258,7 @@ class PrefillWorker:
             job = self.jobs.pop(output.request_id, None)
             if job is not None:
                 job.num_cached_tokens = output.num_cached_tokens
+                job.computed = time.monotonic()
                 job.done.set()
 
     def _fail_all(self, err: Exception) -> None:

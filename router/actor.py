@@ -4,6 +4,7 @@ gRPC API over a RayBackend, in the actor's own event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import ray
@@ -123,11 +124,16 @@ class RouterActor:
         return self.backend.stats() if self.backend else {}
 
     async def stop(self) -> None:
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace=1.0)
+        """Stop serving within ~2 s: streams still open are cut (their clients see the
+        connection close), not waited for — a shutdown must not wait on clients."""
         if self.http_server is not None:
             self.http_server.should_exit = True
-            if self.http_task is not None:
-                await asyncio.wait_for(self.http_task, timeout=5.0)
+            self.http_server.force_exit = True  # do not wait for open connections to finish
+        grpc_stop = self.grpc_server.stop(grace=1.0) if self.grpc_server is not None else None
+        if grpc_stop is not None:
+            await grpc_stop
+        if self.http_task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(self.http_task, timeout=2.0)
         if self.backend is not None:
             await self.backend.stop()

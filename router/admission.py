@@ -27,6 +27,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from engine.step_cost import StepCost
 from router.load_window import percentile
 
 
@@ -37,6 +38,17 @@ class SLOTargets:
     ttft_ms: float
     tpot_ms: float
     percentile: float = 90.0  # the SLO holds at this percentile of requests
+    scale_with_hardware: bool = True  # floors, not absolutes (cluster.config.SLOConfig)
+
+    def ttft_limit_s(self, own_prefill_s: float) -> float:
+        """The TTFT forecast a request may have and be admitted."""
+        floor = OWN_WORK_SLACK * own_prefill_s if self.scale_with_hardware else 0.0
+        return max(TTFT_HEADROOM * self.ttft_s, floor)
+
+    def tpot_target_s(self, step_alone_s: float | None) -> float:
+        """The TPOT a decode replica whose batch-of-one step takes ``step_alone_s`` is held to."""
+        floor = TPOT_SLACK * step_alone_s if self.scale_with_hardware and step_alone_s else 0.0
+        return max(self.tpot_s, floor)
 
     def __post_init__(self) -> None:
         if not (self.ttft_ms > 0 and self.tpot_ms > 0):
@@ -61,6 +73,12 @@ HEADROOM = 0.8
 # queue admission fills sits right at that line, and a request's TTFT varies more around
 # its forecast (batching, the transfer, CPU contention) than a step time does.
 TTFT_HEADROOM = 0.7
+# With scale_with_hardware, a request is never refused for a forecast within this many times
+# its own prefill: refusal is for overload. On hardware where one prompt alone takes most of
+# the TTFT target, any wait would otherwise refuse it, though no schedule could serve it
+# sooner.
+OWN_WORK_SLACK = 4.0
+TPOT_SLACK = 3.0  # likewise, TPOT is not held under this many times a step at a batch of one
 GROW_BELOW = 0.6  # grow the limit only while TPOT is under this fraction of the target
 MIN_TOKENS = 8  # tokens a window needs before it can move the limit
 
@@ -80,7 +98,9 @@ class DecodeSlotLimit:
     (or the last ``window_s``): mean inter-token time ``m`` against target ``t``:
 
     - ``m > HEADROOM·t``: cut to ``in_use · HEADROOM·t / m`` (step time grows at most
-      linearly with the batch, so this lands at or under the target), at least 1; the
+      linearly with the batch, so this lands at or under the target), but never below the
+      replica's free batch (``update``'s ``floor``: fewer requests than that would not make
+      its steps faster, a target its steps miss even alone is not met by refusing); the
       window restarts, so one slow stretch is acted on once. While more than the limit
       are still in flight (a cut has not taken effect: only finishing requests lower it),
       the window restarts without a cut: steps stay slow until the batch has shrunk, and
@@ -130,21 +150,27 @@ class DecodeSlotLimit:
         ``in_flight`` requests: it takes no more than that until the limit grows again."""
         self.limit = max(1, min(self.limit, in_flight))
 
-    def update(self, now: float, in_flight: int) -> None:
+    def update(
+        self, now: float, in_flight: int, floor: int = 1, target_s: float | None = None
+    ) -> None:
+        """``floor``: a limit no TPOT cut goes below — the batch this replica decodes for
+        about the price of one (``StepCost.free_batch``), where serving fewer would not make
+        its steps faster, only refuse more. ``target_s``: the TPOT to hold it to now
+        (``SLOTargets.tpot_target_s``), by default the one it was made with."""
         mean = self.mean_tpot_s(now)
         if mean is None:
             return
-        target = self.tpot_target_s
+        target = self.tpot_target_s if target_s is None else target_s
         if in_flight > self.limit:
             self._gaps.clear()  # the last cut has not taken effect yet: judge it once it has
             return
         if mean > HEADROOM * target:
             in_use = max(1, min(self.limit, in_flight))
-            self.limit = max(
-                1, min(in_use - 1, math.floor(in_use * HEADROOM * target / mean + 1e-9))
-            )
+            cut = max(1, min(in_use - 1, math.floor(in_use * HEADROOM * target / mean + 1e-9)))
             self._gaps.clear()
-            self.cuts += 1
+            if cut < self.limit and in_use > floor:
+                self.limit = max(cut, min(floor, self.limit))
+                self.cuts += 1
         elif mean < GROW_BELOW * target:
             if in_flight >= self.limit - 1:
                 self.limit = min(self.max_limit, self.limit + max(1, self.limit // 4))
@@ -205,38 +231,37 @@ class LineTurnTime:
         return max(mean, current_turn_s)
 
 
-class PrefillSpeed:
-    """The speed of the pool that computes prompts, in prompt tokens per busy second, from
-    the workers' cumulative counters (``prompt_tokens_computed``, ``busy_s``), smoothed. For
-    colocated replicas the busy time includes their decode steps: the rate a prompt backlog
-    drains at while decoding goes on."""
+class ReplicaCapacity:
+    """What each replica's engine steps cost, as its stats last reported them
+    (``engine.step_cost``: measured on its own recent steps). The TTFT forecast reads the
+    prompt pool's speed from it; a decode replica's slot limit, its free batch."""
 
-    def __init__(self, smoothing: float = 0.3, min_busy_s: float = 0.05) -> None:
-        self.smoothing = smoothing
-        self.min_busy_s = min_busy_s
-        self._last: dict[str, tuple[float, float]] = {}  # replica → (tokens, busy_s)
-        self.tokens_per_s: dict[str, float] = {}
+    def __init__(self) -> None:
+        self.costs: dict[str, StepCost] = {}
 
-    def update(self, replica: str, tokens: float, busy_s: float) -> None:
-        last = self._last.get(replica)
-        if last is None or tokens < last[0] or busy_s < last[1]:  # new or restarted
-            self._last[replica] = (tokens, busy_s)
-            return
-        d_tokens, d_busy = tokens - last[0], busy_s - last[1]
-        if d_busy < self.min_busy_s or d_tokens <= 0:
-            return  # too little work since the last sample to measure
-        self._last[replica] = (tokens, busy_s)
-        speed = d_tokens / d_busy
-        old = self.tokens_per_s.get(replica)
-        self.tokens_per_s[replica] = speed if old is None else old + self.smoothing * (speed - old)
+    def update(self, replica: str, cost: dict | None) -> None:
+        if cost is not None:
+            self.costs[replica] = StepCost.from_dict(cost)
 
     def forget(self, replica: str) -> None:
-        self._last.pop(replica, None)
-        self.tokens_per_s.pop(replica, None)
+        self.costs.pop(replica, None)
 
     def pool_tokens_per_s(self, replicas: list[str]) -> float | None:
-        speeds = [self.tokens_per_s[r] for r in replicas if r in self.tokens_per_s]
+        """Prompt tokens per second of these replicas together; None while none has been
+        measured."""
+        speeds = [self.costs[r].prefill_tokens_per_s for r in replicas if r in self.costs]
+        speeds = [s for s in speeds if s]
         return sum(speeds) if speeds else None
+
+    def step_alone_s(self, replica: str) -> float | None:
+        """A decode step at a batch of one on ``replica``; None until measured."""
+        cost = self.costs.get(replica)
+        return cost.decode_step_s(1) if cost is not None and cost.decode_steps else None
+
+    def free_batch(self, replica: str) -> int:
+        """Requests ``replica`` may decode at once for about the price of one (1 unknown)."""
+        cost = self.costs.get(replica)
+        return cost.free_batch() if cost is not None and cost.decode_steps else 1
 
 
 @dataclass(frozen=True)
@@ -245,6 +270,7 @@ class Forecast:
     prefill_s: float
     error_s: float = 0.0  # what the forecast has recently missed by (at the percentile)
     informed: bool = True  # False while a speed it needs is still unmeasured
+    own_prefill_s: float = 0.0  # of prefill_s, this prompt's own (0 while unmeasured)
 
     @property
     def raw_s(self) -> float:
@@ -289,7 +315,7 @@ class TTFTForecast:
         self,
         turn_time: LineTurnTime,
         slots_freed: RateMeter,
-        prefill_speed: PrefillSpeed,
+        capacity: ReplicaCapacity,
         *,
         percentile: float = 90.0,
         window_s: float = 3.0,
@@ -298,7 +324,7 @@ class TTFTForecast:
     ) -> None:
         self.turn_time = turn_time
         self.slots_freed = slots_freed
-        self.prefill_speed = prefill_speed
+        self.capacity = capacity
         self.percentile = percentile
         self.window_s = window_s
         self.min_samples = min_samples
@@ -311,12 +337,15 @@ class TTFTForecast:
         ``forecast_s`` (without the error term); it is pending until its first token."""
         self._pending[key] = (arrival, forecast_s)
 
-    def first_token(self, key: str, now: float) -> None:
-        """The request's first token reached the router: its error is known."""
+    def first_token(self, key: str, now: float) -> float | None:
+        """The request's first token reached the router: its error (measured − forecast,
+        seconds) is known, and returned."""
         pending = self._pending.pop(key, None)
-        if pending is not None:
-            arrival, forecast_s = pending
-            self.observe(now, forecast_s, now - arrival)
+        if pending is None:
+            return None
+        arrival, forecast_s = pending
+        self.observe(now, forecast_s, now - arrival)
+        return now - arrival - forecast_s
 
     def forget(self, key: str) -> None:
         """The request ended (or was retried) without a first token."""
@@ -361,11 +390,12 @@ class TTFTForecast:
             freed_per_s = self.slots_freed.rate(now)
             per_slot = max(turn, 1.0 / freed_per_s) if freed_per_s > 0 else math.inf
             slot_wait += turns_for_a_slot * per_slot
-        prefill = 0.0
-        speed = self.prefill_speed.pool_tokens_per_s(prefill_replicas)
+        prefill = own = 0.0
+        speed = self.capacity.pool_tokens_per_s(prefill_replicas)
         if speed:
             prefill = (prefill_backlog_tokens + prompt_tokens) / speed
+            own = prompt_tokens / speed
         elif prefill_backlog_tokens and prefill_backlog_tokens + prompt_tokens > self.cold_tokens:
             prefill = math.inf  # a cold start's burst: no more than ``cold_tokens`` unmeasured
         informed = bool(speed) or not prefill_replicas
-        return Forecast(slot_wait, prefill, self.error_s(now), informed)
+        return Forecast(slot_wait, prefill, self.error_s(now), informed, own)

@@ -38,6 +38,8 @@ class TokenDelta:
     logprobs: list[TokenLogprobs] | None = None  # one per token when params.logprobs is set
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last delta
     error: str | None = None  # set (with finish_reason "error") if the request failed
+    # On the last delta: seconds per stage of the first token's way (router.timeline)
+    timings: dict[str, float] | None = None
 
 
 class BackendError(Exception):

@@ -154,6 +154,7 @@ class TextDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
+    timings: dict[str, float] | None = None  # on the last delta (router.timeline)
 
 
 @dataclass
@@ -204,7 +205,9 @@ async def generate_text(
                 if finish is not None:
                     text += detok.finish()
                     status = "ok" if finish in ("stop", "length") else "aborted"
-                yield TextDelta(text, list(delta.token_ids), delta.logprobs, finish)
+                if delta.timings:
+                    metrics.observe_stages(delta.timings)
+                yield TextDelta(text, list(delta.token_ids), delta.logprobs, finish, delta.timings)
                 if finish is not None:
                     return
             status = "error"

@@ -7,6 +7,11 @@ Series (the planner in cluster/ reads these names):
 - ``pdcluster_router_tpot_seconds`` (histogram): (last token − first token) / (tokens − 1),
   one observation per request with at least two tokens.
 - ``pdcluster_router_e2e_latency_seconds`` (histogram): arrival → last token.
+- ``pdcluster_router_ttft_stage_seconds{stage}`` (histogram): where the time to first token
+  went, per stage of ``router.timeline`` (queue, reserve, prefill_queue, prefill,
+  kv_transfer, prefill_rpc, first_delivery).
+- ``pdcluster_router_ttft_forecast_error_seconds`` (histogram): measured − forecast TTFT
+  of each request SLO-aware admission let in (negative: it came sooner than forecast).
 - ``pdcluster_router_requests_total{api, status}``: status is ok, cancelled (client went
   away), aborted (a worker aborted it), error, rejected_400, rejected_404, rejected_413,
   unauthorized, overloaded (429) or no_replica (503).
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 # Seconds. TTFT spans a queued long prompt; TPOT is tens of milliseconds at most when healthy.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+FORECAST_ERROR_BUCKETS = (-5, -2, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
@@ -66,6 +72,19 @@ class RouterMetrics:
             "pdcluster_router_e2e_latency_seconds",
             "Arrival at the router to the last token",
             buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.ttft_stages = Histogram(
+            "pdcluster_router_ttft_stage_seconds",
+            "Time to first token by stage of its way (router/timeline.py)",
+            ["stage"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.ttft_forecast_error = Histogram(
+            "pdcluster_router_ttft_forecast_error_seconds",
+            "Measured minus forecast time to first token (SLO-aware admission)",
+            buckets=FORECAST_ERROR_BUCKETS,
             registry=r,
         )
         self.requests = Counter(
@@ -113,6 +132,10 @@ class RouterMetrics:
         self.e2e.observe(last_token - arrival)
         if num_output_tokens >= 2:
             self.tpot.observe((last_token - first_token) / (num_output_tokens - 1))
+
+    def observe_stages(self, stages: dict[str, float]) -> None:
+        for stage, seconds in stages.items():
+            self.ttft_stages.labels(stage=stage).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type (plus series other components

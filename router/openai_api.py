@@ -63,6 +63,7 @@ class _Prepared:
     include_usage: bool
     return_token_ids: bool
     logprobs: bool
+    return_timings: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # completions logprobs: where the next token's text starts
 
@@ -158,6 +159,7 @@ class OpenAIServer:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
+            return_timings=req.return_timings,
             logprobs=bool(logprobs),
         )
 
@@ -238,6 +240,8 @@ class OpenAIServer:
             out["usage"] = None
         if prep.return_token_ids and is_first:
             out["prompt_token_ids"] = prep.request.prompt_token_ids
+        if prep.return_timings and delta.timings:
+            out["timings_ms"] = _milliseconds(delta.timings)
         return out
 
     def _full_response(self, prep: _Prepared, deltas: list[TextDelta]) -> dict[str, Any]:
@@ -251,6 +255,9 @@ class OpenAIServer:
         out["usage"] = _usage(prep, len(token_ids))
         if prep.return_token_ids:
             out["prompt_token_ids"] = prep.request.prompt_token_ids
+        timings = next((d.timings for d in deltas if d.timings), None)
+        if prep.return_timings and timings:
+            out["timings_ms"] = _milliseconds(timings)
         return out
 
     def _logprobs(self, prep: _Prepared, logprobs: list[TokenLogprobs] | None) -> dict[str, Any]:
@@ -289,6 +296,10 @@ def _usage(prep: _Prepared, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,
     }
+
+
+def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:
+    return {stage: round(value * 1e3, 3) for stage, value in seconds.items()}
 
 
 def _sse(payload: dict[str, Any]) -> str:

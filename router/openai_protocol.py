@@ -43,6 +43,7 @@ class CommonRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     return_token_ids: bool = False
+    return_timings: bool = False  # pdcluster: the first token's way, per stage (ms)
 
 
 class CompletionRequest(CommonRequest):

@@ -46,12 +46,11 @@ from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from kv_transfer.errors import NoCapacityError
 from router.admission import (
-    TTFT_HEADROOM,
     DecodeSlotLimit,
     Forecast,
     LineTurnTime,
-    PrefillSpeed,
     RateMeter,
+    ReplicaCapacity,
     SLOTargets,
     TTFTForecast,
 )
@@ -65,7 +64,9 @@ from router.backend import (
 )
 from router.config import RouterLimits
 from router.load_window import LoadWindow, RequestSample
+from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet
+from router.timeline import RequestTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +161,11 @@ class RayBackend(Backend):
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
         self.turn_time = LineTurnTime()
         self.slots_freed = RateMeter()
-        self.prefill_speed = PrefillSpeed()
+        self.capacity = ReplicaCapacity()  # each replica's measured step cost
         self.ttft_forecast = TTFTForecast(
             self.turn_time,
             self.slots_freed,
-            self.prefill_speed,
+            self.capacity,
             percentile=self.slo.percentile if self.slo else 90.0,
         )
         # Prompt tokens of admitted attempts still waiting for their first token.
@@ -191,7 +192,7 @@ class RayBackend(Backend):
         """Forget an actor (drained, or dead); requests still on it are retried elsewhere."""
         replica = self.replicas.remove(name)
         self.slot_limits.pop(name, None)
-        self.prefill_speed.forget(name)
+        self.capacity.forget(name)
         task = self._pollers.pop(name, None)
         if task is not None:
             task.cancel()
@@ -326,15 +327,20 @@ class RayBackend(Backend):
         finished = False
         last_delivery: float | None = None
         backlog = 0  # this attempt's prompt tokens, counted until its first token
+        timeline = RequestTimeline(request.arrival_time)
+        # The first token reaches the router twice in disaggregated mode: with the prefill
+        # call's result (sent on at once) and at the head of the decode replica's stream.
+        first_sent = False
+        skip_decode_first = False
         try:
-            decode, reservation = await self._reserve(request, worker_rid, admitted)
+            decode, reservation = await self._reserve(request, worker_rid, admitted, timeline)
             served_by.add(decode.name)
             backlog = len(request.prompt_token_ids)
             self.prefill_backlog_tokens += backlog
             slot_limit = self.slot_limits.get(decode.name)
             if not self.colocated:
                 prefill_task = asyncio.create_task(
-                    self._prefill(request, worker_rid, decode, reservation, served_by)
+                    self._prefill(request, worker_rid, decode, reservation, served_by, timeline)
                 )
             first_delta = True
             while True:
@@ -346,25 +352,51 @@ class RayBackend(Backend):
                     ) from None
                 if "retry" in delta:
                     raise _Retry(delta["retry"])
+                if "first_token" in delta:  # the prefill's result
+                    if first_sent:
+                        continue  # the decode replica's stream was quicker
+                    first_sent = skip_decode_first = True
+                    lp = delta.get("logprob")
+                    delta = {
+                        "token_ids": [delta["first_token"]],
+                        "logprobs": None if lp is None else [lp],
+                        "finish_reason": None,
+                        "error": None,
+                    }
+                    first_delta = False
+                elif skip_decode_first and delta["token_ids"]:
+                    # Already sent; the decode stream has no logprob for it (it was sampled on
+                    # the prefill replica), so only the token goes.
+                    skip_decode_first = False
+                    delta = {**delta, "token_ids": delta["token_ids"][1:]}
+                    if not delta["token_ids"] and delta["finish_reason"] is None:
+                        continue
                 if first_delta and request.params.logprobs is not None and prefill_task is not None:
                     # The first token was sampled on the prefill actor, which has its logprobs.
                     result = await prefill_task
                     if result and result.get("logprob") is not None and delta["token_ids"]:
                         delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
                 first_delta = False
+                first_sent = first_sent or bool(delta["token_ids"])
                 now = time.monotonic()
                 if delta["token_ids"] and backlog:  # the first token
                     self.prefill_backlog_tokens -= backlog
                     backlog = 0
-                    self.ttft_forecast.first_token(worker_rid, now)
+                    error_s = self.ttft_forecast.first_token(worker_rid, now)
+                    if error_s is not None:
+                        RouterMetrics.of(self).ttft_forecast_error.observe(error_s)
+                    timeline.first_token = now
                 if slot_limit is not None and last_delivery is not None:
                     slot_limit.observe(now, now - last_delivery, len(delta["token_ids"]))
                 last_delivery = now
+                finishing = delta["finish_reason"] is not None
                 out = TokenDelta(
                     token_ids=delta["token_ids"],
                     logprobs=_logprobs(delta["logprobs"]),
                     finish_reason=delta["finish_reason"],
                     error=delta["error"],
+                    # by the end the prefill's own account is in, whichever path came first
+                    timings=timeline.stages() if finishing and timeline.first_token else None,
                 )
                 finished = out.finish_reason is not None
                 yield out
@@ -434,7 +466,7 @@ class RayBackend(Backend):
 
     # ---- admission and dispatch -----------------------------------------------------------
     async def _reserve(
-        self, request: GenerateRequest, worker_rid: str, admitted: bool
+        self, request: GenerateRequest, worker_rid: str, admitted: bool, timeline: RequestTimeline
     ) -> tuple[Replica, dict]:
         limits = self.limits
         slo = None if admitted else self.slo
@@ -472,10 +504,13 @@ class RayBackend(Backend):
                     if place.turn_since is None:
                         place.turn_since = time.monotonic()
                     place.wake.clear()
+                    if timeline.reserve_started is None:
+                        timeline.reserve_started = time.monotonic()
                     reserved = await self._try_reserve(request, worker_rid, slo is not None)
                     if reserved is None:
                         self._line_blocked_at = time.monotonic()
                     if reserved is not None:
+                        timeline.reserved = time.monotonic()
                         self._line_moved(place)
                         return reserved
                 if time.monotonic() > deadline:
@@ -558,9 +593,18 @@ class RayBackend(Backend):
             prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
         )
         now = time.monotonic()
-        limit_s = TTFT_HEADROOM * slo.ttft_s
+        limit_s = slo.ttft_limit_s(forecast.own_prefill_s)
         probe = forecast.raw_s <= limit_s and now - self._last_slo_admission >= PROBE_INTERVAL_S
-        if forecast.ttft_s > limit_s and not probe:
+        # Nothing ahead of it (no prompt still waiting for its first token, no line, a slot
+        # free): its forecast is its own prefill, which refusing it would not make shorter.
+        idle = (
+            self.prefill_backlog_tokens == 0
+            and self.waiting == 0
+            and candidates
+            and not math.isinf(forecast.slot_wait_s)
+            and any(self._free_slots(r) > 0 for r in candidates)
+        )
+        if forecast.ttft_s > limit_s and not probe and not idle:
             self.slo_refusals_total += 1
             if math.isinf(forecast.prefill_s):
                 raise Overloaded(
@@ -571,8 +615,8 @@ class RayBackend(Backend):
             # Come back when the excess wait has passed (unknown: soon; never minutes).
             if math.isinf(forecast.slot_wait_s):
                 raise Overloaded(
-                    f"every {self.decode_pool} replica is at the load its "
-                    f"{slo.tpot_ms:.0f} ms TPOT target allows and none has freed a slot lately",
+                    f"every {self.decode_pool} replica is at the load its TPOT target "
+                    f"(at least {slo.tpot_ms:.0f} ms) allows and none has freed a slot lately",
                     retry_after_s=1.0,
                 )
             excess_s = forecast.ttft_s - limit_s
@@ -580,8 +624,8 @@ class RayBackend(Backend):
                 f"forecast time to first token {forecast.ttft_s * 1000:.0f} ms "
                 f"(waiting for decode {forecast.slot_wait_s * 1000:.0f} ms, prefill "
                 f"{forecast.prefill_s * 1000:.0f} ms, recent forecast error "
-                f"{forecast.error_s * 1000:.0f} ms) leaves no room under the "
-                f"{slo.ttft_ms:.0f} ms target",
+                f"{forecast.error_s * 1000:.0f} ms) is past the {limit_s * 1000:.0f} ms "
+                f"admission allows under the {slo.ttft_ms:.0f} ms TTFT target",
                 retry_after_s=min(10.0, max(1.0, math.ceil(excess_s))),
             )
         self._last_slo_admission = now
@@ -635,6 +679,7 @@ class RayBackend(Backend):
         decode: Replica,
         reservation: dict,
         served_by: set[str],
+        timeline: RequestTimeline,
     ) -> dict | None:
         """Run the prefill. On failure, the attempt is retried (a fresh reservation, another
         prefill replica if this one died)."""
@@ -644,6 +689,7 @@ class RayBackend(Backend):
             return None
         served_by.add(replica.name)
         replica.in_flight += 1
+        timeline.prefill_sent = time.monotonic()
         try:
             result = await replica.handle.prefill.remote(
                 worker_rid,
@@ -664,6 +710,13 @@ class RayBackend(Backend):
             return None
         finally:
             replica.in_flight -= 1
+        timeline.prefill_returned = time.monotonic()
+        timeline.worker = {
+            key: float(result.get(key, 0.0)) for key in ("wait_s", "compute_s", "transfer_finish_s")
+        }
+        self._signal(
+            worker_rid, {"first_token": result["first_token"], "logprob": result.get("logprob")}
+        )
         transfer = result.get("transfer") or {}
         self.transfer_bytes_total += int(transfer.get("payload_bytes", 0) or 0)
         self.transfer_seconds_total += float(transfer.get("seconds", 0.0) or 0.0)
@@ -722,11 +775,12 @@ class RayBackend(Backend):
         """Feed a replica's fresh stats to SLO-aware admission."""
         if self.slo is None:
             return
-        stats = replica.stats
-        if replica.pool == self._prefill_pool and "busy_s" in stats:
-            self.prefill_speed.update(
-                replica.name, stats.get("prompt_tokens_computed", 0), stats["busy_s"]
-            )
+        self.capacity.update(replica.name, replica.stats.get("step_cost"))
         limit = self.slot_limits.get(replica.name)
         if limit is not None:
-            limit.update(time.monotonic(), replica.in_flight)
+            limit.update(
+                time.monotonic(),
+                replica.in_flight,
+                floor=self.capacity.free_batch(replica.name),
+                target_s=self.slo.tpot_target_s(self.capacity.step_alone_s(replica.name)),
+            )

@@ -14,7 +14,13 @@ from cluster.launcher import stop_cluster
 from engine import LLM, SamplingParams
 from tests.integration.conftest import start
 
-ENGINE = {"num_kv_blocks": 96, "max_num_seqs": 64, "max_num_batched_tokens": 512}
+# Token-exact against the offline engine, which runs with other threads: one GEMM library.
+ENGINE = {
+    "num_kv_blocks": 96,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 512,
+    "cpu_gemm": "torch",
+}
 PROMPTS = [
     "Hello, world",
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -9,7 +9,13 @@ from cluster.launcher import stop_cluster
 from engine import LLM, SamplingParams
 from tests.integration.conftest import start
 
-ENGINE = {"num_kv_blocks": 96, "max_num_seqs": 32, "max_num_batched_tokens": 256}
+# Token-exact against the offline engine, which runs with other threads: one GEMM library.
+ENGINE = {
+    "num_kv_blocks": 96,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 256,
+    "cpu_gemm": "torch",
+}
 
 
 def complete(url: str, prompt, max_tokens: int = 12) -> dict:

@@ -16,7 +16,13 @@ from cluster.launcher import stop_cluster
 from engine import LLM, SamplingParams
 from tests.integration.conftest import start
 
-ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+# Token-exact against the offline engine, which runs with other threads: one GEMM library.
+ENGINE = {
+    "num_kv_blocks": 256,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 256,
+    "cpu_gemm": "torch",
+}
 
 
 def greedy(prompt: str, max_tokens: int) -> list[int]:
@@ -203,6 +209,7 @@ def test_short_chaos_run_loses_nothing(ray_session, cluster):
         concurrency=4,
         max_tokens=24,
         config_dict={
+            "model": "tiny",
             "engine": ENGINE,
             "pools": {"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
             "kv": {"lease_timeout_s": 5.0},
@@ -216,6 +223,7 @@ def test_short_chaos_run_loses_nothing(ray_session, cluster):
     print(format_report(report))
     assert report.kills and report.sent > 0
     assert report.lost == 0 and report.corrupted_streams == 0 and report.leaked_blocks == 0
+    assert report.unread_workers == 0 and report.ok  # and enough of them completed
 
 
 def test_under_overload_admitted_requests_meet_their_slo(ray_session):

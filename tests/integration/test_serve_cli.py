@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,19 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) ->
     raise AssertionError("pdcluster serve did not become healthy")
 
 
+def stream_forever(url: str, streaming: threading.Event) -> None:
+    """A long streamed completion; sets ``streaming`` once tokens flow. Ends when the
+    server goes away."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streaming.set()
+    except httpx.HTTPError:
+        pass
+
+
 def test_serve_joins_an_existing_cluster_and_stops_on_sigterm(ray_head, default_model_file):
     port, grpc_port = free_port(), free_port()
     # what `--address auto` resolves; the CLI finds the token `ray start` wrote itself
@@ -97,15 +111,26 @@ def test_serve_joins_an_existing_cluster_and_stops_on_sigterm(ray_head, default_
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+    streams = []
     try:
         wait_healthy(url, process)
         body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        # Streams in flight when the signal comes: shutdown must not wait for them.
+        streaming = threading.Event()
+        for _ in range(3):
+            thread = threading.Thread(target=stream_forever, args=(url, streaming), daemon=True)
+            thread.start()
+            streams.append(thread)
+        assert streaming.wait(60)
     finally:
         process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         output, _ = process.communicate(timeout=60)
+        exit_s = time.monotonic() - signalled
     assert process.returncode == 0, output
+    assert exit_s < 10, f"serve took {exit_s:.1f} s to exit on SIGTERM with streams in flight"
     assert "serving smollm2-135m" in output
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)

@@ -11,8 +11,8 @@ from router.admission import (
     DecodeSlotLimit,
     Forecast,
     LineTurnTime,
-    PrefillSpeed,
     RateMeter,
+    ReplicaCapacity,
     SLOTargets,
     TTFTForecast,
 )
@@ -164,29 +164,34 @@ def test_head_of_line_time_is_a_recent_mean_and_at_least_the_current_heads_wait(
         LineTurnTime(window_s=0)
 
 
-def test_prefill_speed_from_cumulative_counters():
-    speed = PrefillSpeed(smoothing=0.5, min_busy_s=0.05)
-    assert speed.pool_tokens_per_s(["p0"]) is None
-    speed.update("p0", 0, 0.0)
-    speed.update("p0", 100, 0.01)  # too little busy time to measure
-    assert speed.pool_tokens_per_s(["p0"]) is None
-    speed.update("p0", 1000, 1.0)
-    assert speed.pool_tokens_per_s(["p0"]) == pytest.approx(1000.0)
-    speed.update("p0", 1000 + 3000, 2.0)  # 3000 tok/s now, smoothed halfway
-    assert speed.pool_tokens_per_s(["p0"]) == pytest.approx(2000.0)
-    speed.update("p0", 10, 0.1)  # counters went back: a restarted actor, start over
-    speed.update("p0", 510, 0.6)
-    assert speed.pool_tokens_per_s(["p0"]) == pytest.approx(1500.0)
-    speed.update("p1", 0, 0.0)
-    speed.update("p1", 500, 1.0)
-    assert speed.pool_tokens_per_s(["p0", "p1"]) == pytest.approx(2000.0)
-    speed.forget("p0")
-    assert speed.pool_tokens_per_s(["p0", "p1"]) == pytest.approx(500.0)
+def cost(tokens_per_s: float, base_s: float = 0.05, per_seq_s: float = 0.0, steps: int = 0):
+    return {
+        "base_s": base_s,
+        "per_seq_s": per_seq_s,
+        "per_token_s": 1.0 / tokens_per_s,
+        "decode_steps": steps,
+        "prompt_tokens": 1000,
+    }
+
+
+def test_replica_capacity_from_the_workers_step_costs():
+    capacity = ReplicaCapacity()
+    assert capacity.pool_tokens_per_s(["p0"]) is None and capacity.free_batch("d0") == 1
+    capacity.update("p0", None)  # nothing measured yet: nothing known
+    assert capacity.pool_tokens_per_s(["p0"]) is None
+    capacity.update("p0", cost(1000.0))
+    capacity.update("p1", cost(500.0))
+    assert capacity.pool_tokens_per_s(["p0", "p1"]) == pytest.approx(1500.0)
+    capacity.forget("p0")
+    assert capacity.pool_tokens_per_s(["p0", "p1"]) == pytest.approx(500.0)
+    # A decode replica whose steps cost 100 ms + 2 ms per sequence: 13 cost <= 1.25 x one.
+    capacity.update("d0", cost(1000.0, base_s=0.1, per_seq_s=0.002, steps=50))
+    assert capacity.free_batch("d0") == 13
 
 
 def test_ttft_forecast_adds_the_wait_in_line_and_the_prefill_backlog():
-    head, freed, speed = LineTurnTime(), RateMeter(window_s=1.0), PrefillSpeed()
-    forecast = TTFTForecast(head, freed, speed)
+    head, freed, capacity = LineTurnTime(), RateMeter(window_s=1.0), ReplicaCapacity()
+    forecast = TTFTForecast(head, freed, capacity)
     args = dict(prefill_backlog_tokens=3000, prompt_tokens=1000, prefill_replicas=["p0"])
     # Nothing measured yet: no wait in line and no prefill term...
     assert (
@@ -206,8 +211,7 @@ def test_ttft_forecast_adds_the_wait_in_line_and_the_prefill_backlog():
     # ...and a head already stuck at the line says how long each one ahead may take.
     stuck = forecast.forecast(10.0, waiting=4, current_turn_s=0.5, free_slots=math.inf, **args)
     assert stuck.slot_wait_s == pytest.approx(2.5)
-    speed.update("p0", 0, 0.0)
-    speed.update("p0", 2000, 1.0)  # 2000 prompt tokens per busy second
+    capacity.update("p0", cost(2000.0))  # 2000 prompt tokens per second
     for i in range(4):
         head.departed(9.5 + i * 0.1, 0.25)  # each request spent 0.25 s at the head
     alone = forecast.forecast(10.0, waiting=0, current_turn_s=0.0, free_slots=math.inf, **args)
@@ -233,7 +237,7 @@ def test_ttft_forecast_adds_the_wait_in_line_and_the_prefill_backlog():
 
 def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wait_for_more():
     head, freed = LineTurnTime(), RateMeter(window_s=2.0)
-    forecast = TTFTForecast(head, freed, PrefillSpeed())
+    forecast = TTFTForecast(head, freed, ReplicaCapacity())
     head.departed(9.0, 0.1)  # a turn at the head takes 0.1 s while slots are free
     for i in range(4):
         freed.add(8.0 + i * 0.5)  # 2 slots freed per second
@@ -247,9 +251,9 @@ def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wa
 
 
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replace_it():
-    head, speed = LineTurnTime(), PrefillSpeed()
+    head, capacity = LineTurnTime(), ReplicaCapacity()
     forecast = TTFTForecast(
-        head, RateMeter(), speed, percentile=90.0, window_s=10.0, min_samples=10
+        head, RateMeter(), capacity, percentile=90.0, window_s=10.0, min_samples=10
     )
     args = dict(
         waiting=0,
@@ -261,8 +265,7 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replac
     cold = forecast.forecast(0.0, prefill_replicas=["p0"], **args)
     assert not cold.informed  # no prefill speed yet: its error would teach nothing
     assert forecast.forecast(0.0, prefill_replicas=[], **args).informed  # colocated
-    speed.update("p0", 0, 0.0)
-    speed.update("p0", 1000, 1.0)
+    capacity.update("p0", cost(1000.0))
     for _ in range(9):  # too few samples to trust yet
         forecast.observe(1.0, forecast_s=0.1, measured_s=0.3)
     assert forecast.forecast(1.0, prefill_replicas=["p0"], **args).error_s == 0.0
@@ -284,7 +287,7 @@ def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replac
 
 def test_ttft_forecast_learns_from_requests_still_late_for_their_first_token():
     forecast = TTFTForecast(
-        LineTurnTime(), RateMeter(), PrefillSpeed(), percentile=90.0, min_samples=10
+        LineTurnTime(), RateMeter(), ReplicaCapacity(), percentile=90.0, min_samples=10
     )
     assert forecast.error_s(0.0) == 0.0
     forecast.admitted("a", arrival=0.0, forecast_s=0.5)
@@ -305,3 +308,17 @@ def test_ttft_forecast_learns_from_requests_still_late_for_their_first_token():
         forecast.forget(f"late{i}")  # e.g. their clients went away
     forecast.forget("b")
     assert forecast.error_s(3.5) == pytest.approx(0.0)
+
+
+def test_slot_limit_is_never_cut_below_the_free_batch():
+    """Steps that miss the target even at a batch of one: refusing down to one request would
+    not make them faster, only refuse more."""
+    limit = DecodeSlotLimit(0.05, initial=8)
+    for t in range(20):
+        limit.observe(t * 0.1, 0.2, 1)  # 200 ms per token against 50 ms
+    limit.update(2.0, in_flight=3, floor=4)
+    assert limit.limit == 8 and limit.cuts == 0  # 3 in flight, under the free batch of 4
+    for t in range(20, 40):
+        limit.observe(t * 0.1, 0.2, 1)
+    limit.update(4.0, in_flight=8, floor=4)
+    assert limit.limit == 4 and limit.cuts == 1  # cut, but to the free batch, not to 1

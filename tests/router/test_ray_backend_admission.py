@@ -15,6 +15,7 @@ from router.admission import SLOTargets
 from router.backend import GenerateRequest, Overloaded, RequestRejected
 from router.config import RouterLimits
 from router.ray_backend import RayBackend
+from router.timeline import RequestTimeline
 
 
 class _Method:
@@ -88,7 +89,7 @@ class FakePrefill:
     async def _prefill(self, rid, prompt, params, kv_address, lease_id) -> dict:
         await asyncio.sleep(0.001)
         self.decode.prefilled.add(rid)
-        return {"transfer": {}}
+        return {"first_token": 65, "transfer": {}}
 
     async def _cancel(self, rid: str) -> bool:
         return False
@@ -192,7 +193,9 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
             await drain(backend, request("new"))
         refused_after_s = time.monotonic() - started
         # A retry of an admitted request is not refused and ignores the slot limit.
-        replica, _ = await backend._reserve(request("moved"), "moved#1", admitted=True)
+        moved = request("moved")
+        timeline = RequestTimeline(moved.arrival_time)
+        replica, _ = await backend._reserve(moved, "moved#1", admitted=True, timeline=timeline)
         stats = backend.stats()
         long.cancel()
         await asyncio.gather(long, return_exceptions=True)
@@ -201,7 +204,7 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
 
     err, refused_after_s, replica, stats = asyncio.run(run())
     assert refused_after_s < 0.05  # early: no waiting for a slot first
-    assert "at the load its 1000 ms TPOT target allows" in str(err)
+    assert "at the load its TPOT target (at least 1000 ms) allows" in str(err)
     assert err.retry_after_s == 1.0
     assert replica == "decode-0"
     assert stats["slo_refusals_total"] == 1 and stats["slot_limit"] == {"decode-0": 1}
@@ -217,6 +220,7 @@ def test_a_stale_forecast_error_cannot_refuse_everything_a_probe_gets_through(mo
         await backend.start()
         for _ in range(20):  # a bad stretch: every request ran 5 s over its forecast
             backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
+        backend.prefill_backlog_tokens = 10  # a prompt ahead: the cluster is not idle
         outcomes = []
         for name in ("probe", "refused", "after"):
             if name == "after":
@@ -234,6 +238,26 @@ def test_a_stale_forecast_error_cannot_refuse_everything_a_probe_gets_through(mo
     assert after == 3  # a probe interval later, another one gets through
 
 
+def test_an_idle_cluster_never_refuses_whatever_the_forecast_says():
+    """Nothing ahead of a request: its forecast is its own prefill (even one longer than the
+    target), which refusing it would not shorten."""
+
+    async def run():
+        backend, _ = make_backend(capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000))
+        await backend.start()
+        for _ in range(20):
+            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)  # 5 s late each
+        backend._last_slo_admission = time.monotonic()  # and no probe due
+        served = [len(await drain(backend, request(f"r{i}"))) for i in range(3)]
+        backend.prefill_backlog_tokens = 10  # one prompt ahead: now the forecast rules
+        with pytest.raises(Overloaded, match="forecast error 5000 ms"):
+            await drain(backend, request("behind"))
+        await backend.stop()
+        return served
+
+    assert asyncio.run(run()) == [3, 3, 3]
+
+
 def test_a_request_that_can_never_fit_is_rejected_before_admission_can_refuse_it():
     async def run():
         backend, decode = make_backend(
@@ -243,6 +267,7 @@ def test_a_request_that_can_never_fit_is_rejected_before_admission_can_refuse_it
         for _ in range(20):  # under load: SLO admission would refuse a new request
             backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
         backend._last_slo_admission = time.monotonic()
+        backend.prefill_backlog_tokens = 10
         with pytest.raises(RequestRejected) as rejected:
             await drain(backend, request("huge", max_tokens=100))  # 3 + 100 > 64 tokens
         await backend.stop()

@@ -132,3 +132,22 @@ def test_openblas_is_offered_only_to_single_thread_workers():
     assert "openblas" in available_backends(torch.float32, 1)
     assert "openblas" not in available_backends(torch.float32, 2)
     assert "openblas" not in available_backends(torch.bfloat16, 1)
+
+
+def test_the_plan_is_measured_once_per_machine_and_shared(tmp_path, monkeypatch):
+    from engine import cpu_gemm
+
+    weights = [torch.randn(48, 32), torch.randn(32, 48)]
+    measured = []
+    real = cpu_gemm.GemmPlan.measure
+
+    def counting(ws, **kw):
+        measured.append(1)
+        return real(ws, buckets=(1, 8), **kw)
+
+    monkeypatch.setattr(cpu_gemm.GemmPlan, "measure", staticmethod(counting))
+    first = cpu_gemm.cached_plan(weights, tmp_path)
+    second = cpu_gemm.cached_plan(weights, tmp_path)  # another replica on this machine
+    assert measured == [1] and second.choices == first.choices
+    cpu_gemm.cached_plan([torch.randn(64, 32)], tmp_path)  # other shapes: their own plan
+    assert measured == [1, 1]

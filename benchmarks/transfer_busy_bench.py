@@ -1,0 +1,147 @@
+"""``pdcluster bench transfer --into-decode-worker``: KV transfers into a real decode worker
+(the default model, a Ray actor in a process of its own as in a cluster), idle and while it
+decodes a batch of 16 without a pause, in the same run. A transfer's frames land in its lease's blocks without the engine
+lock (kv_transfer/lease.py), so a busy decode should cost the transfer little: the target
+is >= 80% of the idle throughput.
+
+The source blocks are random, shaped like the worker's cache; every transfer is one
+request's whole prompt, all layers at once (no prefill computes), passthrough on the wire.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.named_models import DEFAULT_MODEL
+from engine.sampling_params import SamplingParams
+from engine.worker_options import KVTransferOptions, WorkerOptions
+from kv_transfer import KVSender
+
+TOKEN = "bench-busy-token"
+
+
+class BenchDecodeWorker(DecodeWorker):
+    """A decode worker (Ray actor, a process of its own, as in a cluster) that can be kept
+    busy with local requests."""
+
+    def keep_busy(self, batch: int) -> None:
+        params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+        with self.loop.lock:
+            for i in range(batch):
+                self.engine.add_request([(i * 7 + j) % 1000 + 100 for j in range(64)], params)
+        self.loop.wake()
+        while len(self.engine.scheduler.running) < batch:  # their prompts computed
+            time.sleep(0.05)
+
+    def shape(self) -> dict:
+        cache, config = self.engine.cache, self.engine.model_config
+        return {
+            "fingerprint": config.fingerprint(),
+            "block_size": cache.block_size,
+            "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "dtype": str(cache.dtype).removeprefix("torch."),
+            "bytes_per_block": cache.bytes_per_block(),
+            "steps": self.loop.steps,
+        }
+
+
+def _transfer_s(worker, shape: dict, sender: KVSender, tokens: int, index: int) -> float:
+    import ray
+
+    request_id = f"transfer-{index}"
+    prompt = [(i * 31) % 1000 + 100 for i in range(tokens)]
+    reservation = ray.get(worker.reserve.remote(request_id, prompt, SamplingParams(max_tokens=1)))
+    bs = shape["block_size"]
+    dtype = getattr(torch, shape["dtype"])
+    k = torch.randn(
+        (-(-tokens // bs), bs, shape["num_kv_heads"], shape["head_dim"]),
+        generator=torch.Generator().manual_seed(index),
+    ).to(dtype)
+    v = k.clone()
+    start = time.perf_counter()
+    stream = sender.open(
+        request_id,
+        reservation["lease_id"],
+        shape["fingerprint"],
+        bs,
+        tokens,
+        shape["num_layers"],
+        "passthrough",
+        dtype,
+    )
+    for layer in range(shape["num_layers"]):
+        stream.send_layer(layer, k, v, copy=False)
+    stream.finish(first_token=0)
+    seconds = time.perf_counter() - start
+    ray.get(worker.cancel.remote(request_id))
+    return seconds
+
+
+def measure_into_decode_worker(
+    model: str = DEFAULT_MODEL, tokens: int = 2048, repeats: int = 4, batch: int = 16
+) -> dict:
+    import ray
+
+    from cluster.ray_env import prepare_ray_environment
+
+    prepare_ray_environment(None)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    options = WorkerOptions(
+        model=model,
+        # the batch's prompts and a few hundred tokens each, plus two transfers in flight
+        engine=EngineConfig(num_kv_blocks=batch * 24 + 2 * (-(-tokens // 16)) + 8),
+        kv=KVTransferOptions(token=TOKEN, wire_dtype="passthrough"),
+        torch_threads=1,
+    ).to_dict()
+    worker = (
+        ray.remote(BenchDecodeWorker)
+        .options(num_cpus=0, max_concurrency=8)
+        .remote(options, "decode-bench")
+    )
+    try:
+        shape = ray.get(worker.shape.remote())
+        address = ray.get(worker.info.remote())["kv_address"]
+        kv_bytes = shape["bytes_per_block"] * -(-tokens // shape["block_size"])
+        with KVSender(address, TOKEN, timeout_s=600) as sender:
+            _transfer_s(worker, shape, sender, 64, -1)  # warm-up: channel, code paths
+            idle = min(_transfer_s(worker, shape, sender, tokens, i) for i in range(repeats))
+            ray.get(worker.keep_busy.remote(batch))
+            steps_before = ray.get(worker.shape.remote())["steps"]
+            busy_start = time.perf_counter()
+            busy = min(
+                _transfer_s(worker, shape, sender, tokens, repeats + i) for i in range(repeats)
+            )
+            busy_elapsed = time.perf_counter() - busy_start
+            steps = ray.get(worker.shape.remote())["steps"] - steps_before
+    finally:
+        ray.kill(worker)
+        if started_ray:
+            ray.shutdown()
+    return {
+        "model": model,
+        "tokens": tokens,
+        "kv_bytes": kv_bytes,
+        "idle_gb_s": kv_bytes / idle / 1e9,
+        "busy_gb_s": kv_bytes / busy / 1e9,
+        "busy_share": idle / busy,
+        "decode_steps_per_s": steps / busy_elapsed,
+        "batch": batch,
+    }
+
+
+def format_result(r: dict) -> str:
+    return (
+        f"into a decode worker ({r['model']}, {r['tokens']} tokens = "
+        f"{r['kv_bytes'] / 2**20:.1f} MiB per transfer, passthrough): idle "
+        f"{r['idle_gb_s']:.2f} GB/s; decoding a batch of {r['batch']} "
+        f"({r['decode_steps_per_s']:.1f} steps/s) {r['busy_gb_s']:.2f} GB/s = "
+        f"{r['busy_share']:.0%} of idle (target >= 80%)"
+    )
