@@ -92,7 +92,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.runner = ModelRunner(self.model, self.cache)
-        self.sampler = Sampler(config.seed, self.model_config.vocab_size)
+        self.sampler = Sampler(config.seed, self.model_config.vocab_size, self.tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._prompts: dict[str, str | None] = {}
         self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
@@ -159,6 +159,11 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.model_config.vocab_size:
                 raise InvalidRequestError(f"stop_token_ids entry {t} is outside the vocabulary")
+        for t, _ in params.logit_bias:
+            if t >= self.model_config.vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {t} is outside the vocabulary")
+        if params.grammar is not None:
+            self.sampler.grammar_masks().compiler.compile(params.grammar)
 
     def add_request(
         self,
@@ -250,9 +255,7 @@ class LLMEngine:
         result = StepResult([], [])
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            tokens, logprobs = self.sampler.sample(
-                logits, [s.seq_id for s in seqs], [s.params for s in seqs]
-            )
+            tokens, logprobs = self.sampler.sample(logits, seqs)
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                 self._accept_token(seq, token, lp, result)
         self.num_prompt_tokens_computed += prompt_tokens
@@ -292,6 +295,7 @@ class LLMEngine:
 
     def _accept_token(self, seq: Sequence, token: int, logprob, result: StepResult) -> None:
         seq.status = SequenceStatus.RUNNING
+        self.sampler.accept(seq, token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         self._append_token(seq, token, logprob)

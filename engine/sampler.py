@@ -1,13 +1,18 @@
-"""Turns the last-position logits of a batch into next tokens (greedy, temperature, top-k,
-top-p), with per-request seeded generators so a seeded request samples the same tokens
-whatever else shares its batch."""
+"""Turns the last-position logits of a batch into next tokens (the request's logits
+processors, then greedy or temperature, top-k, top-p), with per-request seeded generators so
+a seeded request samples the same tokens whatever else shares its batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from typing import Any
+
 import torch
 
+from engine.logits_processors import process_logits
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
+from engine.sequence import Sequence, TokenLogprobs
+from engine.structured_output import GrammarMasks
 
 
 class Sampler:
@@ -16,8 +21,11 @@ class Sampler:
     own generator on that device, so prefill and decode workers on the same kind of device
     continue one stream."""
 
-    def __init__(self, seed: int, vocab_size: int) -> None:
+    def __init__(self, seed: int, vocab_size: int, tokenizer: Any = None) -> None:
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self._grammars: GrammarMasks | None = None  # made when a request first has a grammar
         self.seed = seed
         self._default_generators: dict[str, torch.Generator] = {}  # device → unseeded stream
         self._generators: dict[int, torch.Generator] = {}  # seq_id → its own, when seeded
@@ -32,19 +40,38 @@ class Sampler:
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.forget(seq_id)
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """``seq`` took ``token`` (sampled here or on a prefill worker): its grammar moves on."""
+        if seq.params.grammar is not None:
+            self.grammar_masks().accept(seq.seq_id, seq.params.grammar, token)
+
+    def grammar_masks(self) -> GrammarMasks:
+        if self._grammars is None:
+            self._grammars = GrammarMasks(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
+        self, logits: torch.Tensor, seqs: Seq[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [n, V] (any device) → n token ids and, where asked, their logprobs."""
+        """logits [n, V] (any device) of ``seqs``' next tokens → n token ids and, where
+        asked, their logprobs (of the unprocessed logits)."""
         device = logits.device
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        seq_ids = [s.seq_id for s in seqs]
+        params = [s.params for s in seqs]
+        processed = process_logits(logits, seqs, self.eos_token_ids)
+        if any(p.grammar is not None for p in params):
+            processed = processed.clone() if processed is logits else processed
+            self.grammar_masks().mask(processed, seq_ids, [p.grammar for p in params])
+        tokens = processed.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=device)
-            probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+            probs = _filtered_probs(processed[rows], [params[i] for i in sampled_rows])
             noise = torch.stack(
                 [
                     self._exponential(seq_ids[i], params[i], probs.shape[-1], device)

@@ -17,6 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.structured_output import GrammarSpec
 from router.backend import Backend, GenerateRequest, NoReplica, Overloaded, RequestRejected
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
@@ -91,6 +92,11 @@ def sampling_params(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     min_tokens: int = 0,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[str, float] | None = None,
+    grammar: GrammarSpec | None = None,
     max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """Validated sampling options. ``max_tokens`` None takes ``default_max_tokens`` (None:
@@ -124,6 +130,7 @@ def sampling_params(
         raise bad_request(f"seed must be in [0, {MAX_SEED}]", "seed")
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
+    bias = _logit_bias(backend, logit_bias or {})
     try:
         return SamplingParams(
             max_tokens=min(max_tokens, room),
@@ -136,9 +143,28 @@ def sampling_params(
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             min_tokens=min(min_tokens, room),  # a long min_tokens still ends at the context
+            presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            logit_bias=bias,
+            grammar=grammar,
         )
     except InvalidRequestError as err:
         raise bad_request(str(err), _param_of(str(err))) from None
+
+
+def _logit_bias(backend: Backend, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: JSON object keys are token ids written as decimal strings."""
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or not 0 <= int(key) < backend.vocab_size:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id in the vocabulary "
+                f"[0, {backend.vocab_size})",
+                "logit_bias",
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _param_of(message: str) -> str | None:

@@ -12,12 +12,10 @@ that disconnects cancels its request: the backend's generator is closed.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -25,47 +23,34 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sequence import TokenLogprobs
+from engine.errors import InvalidRequestError
+from engine.structured_output import GrammarCompiler, GrammarSpec
 from router.backend import Backend, GenerateRequest
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.generation import (
     TextDelta,
     generate_text,
-    logprob_entries,
     new_request_id,
     sampling_params,
     tokenize_chat,
     tokenize_prompt,
 )
 from router.metrics import RouterMetrics
+from router.openai_format import Prepared, ResponseFormat, sse
 from router.openai_protocol import (
     ChatCompletionRequest,
     CommonRequest,
     CompletionRequest,
     chat_messages,
+    grammar_of,
+    prompt_list,
     read_json_body,
-    single_prompt,
+    refuse_unserved,
     validation_error,
 )
 
 T = TypeVar("T")
-
-
-@dataclass
-class _Prepared:
-    """A validated request and how to present its result."""
-
-    kind: Literal["completion", "chat"]
-    request: GenerateRequest
-    model: str
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    logprobs: bool
-    return_timings: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions logprobs: where the next token's text starts
 
 
 class OpenAIServer:
@@ -76,6 +61,8 @@ class OpenAIServer:
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_name or backend.model_name
+        self.format = ResponseFormat(backend.tokenizer)
+        self._grammars: GrammarCompiler | None = None  # made for the first grammar asked for
 
     # ---- validation (all of it, before any backend call) ---------------------------------
     def _check_common(self, req: CommonRequest) -> None:
@@ -88,31 +75,43 @@ class OpenAIServer:
             )
         if req.n != 1:
             raise bad_request("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise bad_request(f"{name} is not supported (must be 0 or absent)", name)
         if req.stream_options is not None and not req.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
 
-    def prepare_completion(self, body: dict[str, Any], arrival: float) -> _Prepared:
+    def prepare_completion(self, body: dict[str, Any], arrival: float) -> Prepared:
+        refuse_unserved(body, "completion")
         try:
             req = CompletionRequest.model_validate(body)
         except ValidationError as err:
             raise validation_error(err) from None
         self._check_common(req)
+        if req.echo and req.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute: ask for one or the other",
+                "echo",
+            )
+        prompts = prompt_list(req.prompt, self.config.max_prompts_per_request)
+        many = len(prompts) > 1
+        ids = [
+            tokenize_prompt(self.backend, p, f"prompt[{i}]" if many else "prompt")
+            for i, p in enumerate(prompts)
+        ]
+        params = [
+            self._params(req, one, req.max_tokens, self.config.default_max_tokens, req.logprobs)
+            for one in ids
+        ]
+        echo = None
         if req.echo:
-            raise bad_request("echo is not supported", "echo")
-        ids = tokenize_prompt(self.backend, single_prompt(req.prompt))
-        params = self._params(
-            req, ids, req.max_tokens, self.config.default_max_tokens, req.logprobs
-        )
+            echo = [p if isinstance(p, str) else self.backend.tokenizer.decode(p) for p in prompts]
         return self._prepared(
-            "completion", "cmpl", req, ids, params, arrival, req.logprobs is not None
+            "completion", "cmpl", req, ids, params, arrival, req.logprobs is not None, echo
         )
 
-    def prepare_chat(self, body: dict[str, Any], arrival: float) -> _Prepared:
+    def prepare_chat(self, body: dict[str, Any], arrival: float) -> Prepared:
+        refuse_unserved(body, "chat")
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as err:
@@ -127,7 +126,7 @@ class OpenAIServer:
         top = (req.top_logprobs or 0) if req.logprobs else None
         # Chat's default is whatever the context leaves (capped by the server), as OpenAI's.
         params = self._params(req, ids, max_tokens, None, top, param)
-        return self._prepared("chat", "chatcmpl", req, ids, params, arrival, req.logprobs)
+        return self._prepared("chat", "chatcmpl", req, [ids], [params], arrival, req.logprobs)
 
     def _params(self, req, ids, max_tokens, default, logprobs, param="max_tokens"):
         return sampling_params(
@@ -145,165 +144,134 @@ class OpenAIServer:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             min_tokens=req.min_tokens,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias,
+            grammar=grammar[1] if (grammar := grammar_of(req)) else None,
             max_tokens_param=param,
         )
 
-    def _prepared(self, kind, prefix, req, ids, params, arrival, logprobs) -> _Prepared:
-        request = GenerateRequest(new_request_id(prefix), ids, params, arrival)
-        if req.user is not None:
-            request.extra["user"] = req.user
-        return _Prepared(
+    async def check_grammars(self, prep: Prepared) -> None:
+        """A 400 with the grammar library's message for a grammar that cannot compile
+        (compiled off the event loop: the first one loads xgrammar, seconds)."""
+        spec = prep.requests[0].params.grammar  # one request body, one grammar
+        if spec is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(self._compile, spec)
+        except InvalidRequestError as err:
+            raise bad_request(str(err), prep.grammar_param) from None
+
+    def _compile(self, spec: GrammarSpec) -> None:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.backend.tokenizer, self.backend.vocab_size)
+        self._grammars.compile(spec)
+
+    def _prepared(self, kind, prefix, req, ids, params, arrival, logprobs, echo=None):
+        request_id = new_request_id(prefix)
+        requests = [
+            # A list of prompts: each its own request in the cluster, "<id>-<index>".
+            GenerateRequest(request_id if len(ids) == 1 else f"{request_id}-{i}", one, p, arrival)
+            for i, (one, p) in enumerate(zip(ids, params, strict=True))
+        ]
+        for request in requests:
+            if req.user is not None:
+                request.extra["user"] = req.user
+        return Prepared(
             kind=kind,
-            request=request,
+            request_id=request_id,
+            requests=requests,
             model=self.model_name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             return_token_ids=req.return_token_ids,
             return_timings=req.return_timings,
             logprobs=bool(logprobs),
+            echo=echo,
+            grammar_param=grammar[0] if (grammar := grammar_of(req)) else None,
         )
 
     # ---- running ---------------------------------------------------------------------
-    async def respond(self, http: Request, prep: _Prepared) -> Response:
+    async def respond(self, http: Request, prep: Prepared) -> Response:
         api = "completions" if prep.kind == "completion" else "chat"
-        stream = generate_text(self.backend, prep.request, self.metrics, api)
-        if prep.stream:
-            # The first delta is awaited here so that a backend refusal (429/503/400) is the
-            # response's status, not an error event inside a 200 stream.
-            done, first = await _unless_disconnected(http, stream.__anext__)
-            if done:
-                return EventStreamResponse(self._events(prep, first, stream))
-        else:
+        streams = [generate_text(self.backend, r, self.metrics, api) for r in prep.requests]
+        try:
+            if prep.stream:
+                # Every choice's first delta is awaited here, so that a backend refusal
+                # (429/503/400) is the response's status, not an error event in a 200 stream.
+                done, firsts = await _unless_disconnected(
+                    http, lambda: _all_of([s.__anext__ for s in streams])
+                )
+                if done:
+                    body = self._events(prep, firsts, streams)
+                    streams = []  # the event stream closes them
+                    return EventStreamResponse(body)
+            else:
 
-            async def collect() -> list[TextDelta]:
-                return [delta async for delta in stream]
+                def collect(stream):
+                    async def run() -> list[TextDelta]:
+                        return [delta async for delta in stream]
 
-            done, deltas = await _unless_disconnected(http, collect)
-            if done:
-                return JSONResponse(self._full_response(prep, deltas))
-        return Response(status_code=499)  # the client went away; nobody reads this
+                    return run
 
-    async def _events(self, prep: _Prepared, first: TextDelta, stream):
+                done, results = await _unless_disconnected(
+                    http, lambda: _all_of([collect(s) for s in streams])
+                )
+                if done:
+                    return JSONResponse(self.format.full_response(prep, results))
+            return Response(status_code=499)  # the client went away; nobody reads this
+        finally:
+            await _close_all(streams)
+
+    async def _events(self, prep: Prepared, firsts: list[TextDelta], streams):
+        """Each choice streams in turn: the others' requests run meanwhile, their tokens
+        waiting in the backend until their turn."""
         num_tokens = 0
         try:
-            delta: TextDelta | None = first
-            while delta is not None:
-                num_tokens += len(delta.token_ids)
-                yield _sse(self._chunk(prep, delta, is_first=delta is first))
-                delta = None if delta.finish_reason else await stream.__anext__()
+            for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
+                delta: TextDelta | None = first
+                while delta is not None:
+                    num_tokens += len(delta.token_ids)
+                    yield sse(self.format.chunk(prep, index, delta, is_first=delta is first))
+                    delta = None if delta.finish_reason else await stream.__anext__()
             if prep.include_usage:
-                chunk = self._envelope(prep, chunk=True)
-                chunk.update(choices=[], usage=_usage(prep, num_tokens))
-                yield _sse(chunk)
+                yield sse(self.format.usage_chunk(prep, num_tokens))
             yield "data: [DONE]\n\n"
         except APIError as err:  # failed mid-stream: the status line is already sent
-            yield _sse(err.body())
+            yield sse(err.body())
             yield "data: [DONE]\n\n"
         finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-
-    # ---- presentation (OpenAI's formats) --------------------------------------------------
-    def _envelope(self, prep: _Prepared, chunk: bool) -> dict[str, Any]:
-        if prep.kind == "completion":
-            obj = "text_completion"
-        else:
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        return {
-            "id": prep.request.request_id,
-            "object": obj,
-            "created": prep.created,
-            "model": prep.model,
-        }
-
-    def _choice(self, prep: _Prepared, text, token_ids, logprobs, finish, chunk, is_first):
-        if prep.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text}
-        elif chunk:
-            delta = {"role": "assistant", "content": text} if is_first else {"content": text}
-            choice = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        choice["logprobs"] = self._logprobs(prep, logprobs) if prep.logprobs else None
-        choice["finish_reason"] = finish
-        if prep.return_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
-
-    def _chunk(self, prep: _Prepared, delta: TextDelta, is_first: bool) -> dict[str, Any]:
-        out = self._envelope(prep, chunk=True)
-        choice = self._choice(
-            prep, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason, True, is_first
-        )
-        out["choices"] = [choice]
-        if prep.include_usage:
-            out["usage"] = None
-        if prep.return_token_ids and is_first:
-            out["prompt_token_ids"] = prep.request.prompt_token_ids
-        if prep.return_timings and delta.timings:
-            out["timings_ms"] = _milliseconds(delta.timings)
-        return out
-
-    def _full_response(self, prep: _Prepared, deltas: list[TextDelta]) -> dict[str, Any]:
-        token_ids = [t for d in deltas for t in d.token_ids]
-        logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
-        text = "".join(d.text for d in deltas)
-        out = self._envelope(prep, chunk=False)
-        out["choices"] = [
-            self._choice(prep, text, token_ids, logprobs, deltas[-1].finish_reason, False, False)
-        ]
-        out["usage"] = _usage(prep, len(token_ids))
-        if prep.return_token_ids:
-            out["prompt_token_ids"] = prep.request.prompt_token_ids
-        timings = next((d.timings for d in deltas if d.timings), None)
-        if prep.return_timings and timings:
-            out["timings_ms"] = _milliseconds(timings)
-        return out
-
-    def _logprobs(self, prep: _Prepared, logprobs: list[TokenLogprobs] | None) -> dict[str, Any]:
-        entries = logprob_entries(self.backend.tokenizer, logprobs or [])
-        if prep.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": tok,
-                        "logprob": lp,
-                        "bytes": list(tok.encode("utf-8", "replace")),
-                        "top_logprobs": [
-                            {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
-                            for t, v in top
-                        ],
-                    }
-                    for tok, lp, top in entries
-                ]
-            }
-        offsets = []
-        for tok, _, _ in entries:
-            offsets.append(prep.text_offset)
-            prep.text_offset += len(tok)
-        return {
-            "tokens": [tok for tok, _, _ in entries],
-            "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries],
-            "text_offset": offsets,
-        }
+            await _close_all(streams)
 
 
-def _usage(prep: _Prepared, completion_tokens: int) -> dict[str, int]:
-    prompt = len(prep.request.prompt_token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt + completion_tokens,
-    }
+async def _all_of(works: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run ``works`` side by side; their results in order. The first APIError cancels the
+    rest and is raised as itself (not wrapped in an exception group)."""
+    if len(works) == 1:
+        return [await works[0]()]
+    results: list[Any] = [None] * len(works)
+    errors: list[APIError] = []
+
+    async def run(i: int, scope: anyio.CancelScope) -> None:
+        try:
+            results[i] = await works[i]()
+        except APIError as err:
+            errors.append(err)
+            scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(works)):
+            tg.start_soon(run, i, tg.cancel_scope)
+    if errors:
+        raise errors[0]
+    return results
 
 
-def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:
-    return {stage: round(value * 1e3, 3) for stage, value in seconds.items()}
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+async def _close_all(streams) -> None:
+    with anyio.CancelScope(shield=True):
+        for stream in streams:
+            await stream.aclose()  # cancels its request unless it finished
 
 
 async def _unless_disconnected(
@@ -413,13 +381,17 @@ def create_app(
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         body = await read_json_body(request, config.max_body_bytes)
-        return await server.respond(request, server.prepare_completion(body, arrival))
+        prep = server.prepare_completion(body, arrival)
+        await server.check_grammars(prep)
+        return await server.respond(request, prep)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         body = await read_json_body(request, config.max_body_bytes)
-        return await server.respond(request, server.prepare_chat(body, arrival))
+        prep = server.prepare_chat(body, arrival)
+        await server.check_grammars(prep)
+        return await server.respond(request, prep)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:

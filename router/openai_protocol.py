@@ -1,7 +1,10 @@
 """OpenAI's request bodies: reading them (size, UTF-8, JSON) and their field models.
 
-Strict models: "16" is not an integer and true is not 1. Unknown fields are ignored, as
-OpenAI's clients send fields this server has no use for. ``prompt`` and ``messages`` are
+Strict models: "16" is not an integer and true is not 1. Every official OpenAI field is
+either served or, when set to anything but its "off" value, refused with a 400 that names it
+(``UNSERVED``); fields that are not OpenAI's are ignored unless they are one of the extras
+this server serves (vLLM's names: top_k, min_tokens, ignore_eos, stop_token_ids,
+repetition_penalty, return_token_ids; and return_timings). ``prompt`` and ``messages`` are
 checked by hand, for clearer messages than a union's. Every problem is an :class:`APIError`
 (400, or 413 for an oversize body) whose message says what is wrong.
 """
@@ -14,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine.structured_output import GrammarSpec
 from router.errors import APIError, bad_request
 
 
@@ -39,9 +43,19 @@ class CommonRequest(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # identifiers: accepted, not used
+    prompt_cache_key: str | None = None  # the prefix cache needs no hint
+    safety_identifier: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's structured output extras (one at most, or response_format in chat)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_token_ids: bool = False
     return_timings: bool = False  # pdcluster: the first token's way, per stage (ms)
 
@@ -57,6 +71,113 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# Official fields not served: absent, null or one of these values ("off"), else a 400.
+UNSERVED: dict[str, dict[str, tuple]] = {
+    "completion": {
+        "best_of": (1,),
+        "suffix": ("",),
+    },
+    "chat": {
+        "audio": (),
+        "function_call": ("none",),
+        "functions": ([],),
+        "metadata": (),
+        "modalities": (["text"],),
+        "parallel_tool_calls": (),
+        "prediction": (),
+        "reasoning_effort": (),
+        "service_tier": ("auto", "default"),
+        "store": (False,),
+        "tool_choice": ("none",),
+        "tools": ([],),
+        "verbosity": (),
+        "web_search_options": (),
+    },
+}
+
+
+def refuse_unserved(body: dict[str, Any], kind: str) -> None:
+    """A 400 naming the first official field ``body`` sets that this server does not serve."""
+    for name, off in UNSERVED[kind].items():
+        value = body.get(name)
+        if value is None or any(value == v and type(value) is type(v) for v in off):
+            continue
+        shown = repr(value)[:60]
+        hint = f" (only {' or '.join(json.dumps(v) for v in off)})" if off else ""
+        raise bad_request(f"{name} is not supported by this server{hint}, got {shown}", name)
+
+
+def grammar_of(req: CommonRequest) -> tuple[str, GrammarSpec] | None:
+    """The grammar a request's output must follow and the field that asked for it: chat's
+    response_format, or one of vLLM's extras (structured_outputs: json | regex | choice |
+    grammar, or guided_*)."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None:
+        spec = _response_format(response_format)
+        if spec is not None:
+            asked.append(("response_format", spec))
+    extras = dict(req.structured_outputs or {})
+    for short in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{short}")
+        if value is not None:
+            extras.setdefault(short, value)
+    for key, value in extras.items():
+        param = "structured_outputs"
+        if key == "json":
+            asked.append((param, _json_spec(value, param)))
+        elif key == "regex" and isinstance(value, str) and value:
+            asked.append((param, GrammarSpec("regex", value)))
+        elif key == "grammar" and isinstance(value, str) and value:
+            asked.append((param, GrammarSpec("grammar", value)))
+        elif key == "choice" and (
+            isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+        ):
+            asked.append((param, GrammarSpec.choice(value)))
+        elif key in ("json", "regex", "grammar", "choice"):
+            raise bad_request(f"structured_outputs.{key} has the wrong type, got {value!r}", param)
+        else:
+            raise bad_request(
+                f"structured_outputs.{key} is not supported (json, regex, choice or grammar)",
+                param,
+            )
+    if len(asked) > 1:
+        names = sorted({name for name, _ in asked})
+        raise bad_request(f"ask for one output format at most, got {len(asked)}", names[0])
+    return asked[0] if asked else None
+
+
+def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict) or "schema" not in inner:
+            raise bad_request(
+                "response_format.json_schema must be an object with a schema", "response_format"
+            )
+        return _json_spec(inner["schema"], "response_format")
+    raise bad_request(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+        "response_format",
+    )
+
+
+def _json_spec(schema: Any, param: str) -> GrammarSpec:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise bad_request(f"the JSON schema is not valid JSON: {err}", param) from None
+    if not isinstance(schema, dict):
+        raise bad_request("a JSON schema must be an object", param)
+    return GrammarSpec("json_schema", json.dumps(schema))
 
 
 _UNION_HINTS = {"stop": "a string or a list of strings"}
@@ -74,25 +195,29 @@ def validation_error(err: ValidationError) -> APIError:
     return bad_request(f"{path}: {first['msg'].lower()}, got {got}", name)
 
 
-def single_prompt(prompt: Any) -> str | list[int]:
-    """One prompt: a string, a list of token ids, or a list holding one of those."""
+def prompt_list(prompt: Any, limit: int) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, a list of token ids, or a list of
+    those (at most ``limit``), each its own choice, in order."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
+        if len(prompt) > limit:
             raise bad_request(
-                f"batches of prompts are not supported: send one prompt per request "
-                f"(got {len(prompt)})",
-                "prompt",
+                f"a request may hold at most {limit} prompts, got {len(prompt)}", "prompt"
             )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return prompt
-    raise bad_request("prompt must be a string or a list of token ids", "prompt")
+        prompts = prompt
+    else:
+        prompts = [prompt]
+    for i, one in enumerate(prompts):
+        if isinstance(one, str):
+            continue
+        if isinstance(one, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in one
+        ):
+            continue
+        where = f"prompt[{i}]" if prompts is prompt else "prompt"
+        raise bad_request(f"{where} must be a string or a list of token ids", "prompt")
+    return prompts
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

@@ -102,10 +102,17 @@ def test_greedy_and_seeded_outputs_equal_the_offline_engine(cluster):
     llm = LLM("tiny", progress=False, **ENGINE)
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
+    # The first token is sampled on the prefill worker (history: the prompt), the rest on
+    # decode (history: prompt + output): processed alike, they equal one engine's.
+    processed = SamplingParams(
+        max_tokens=20, temperature=0.8, seed=5, ignore_eos=True, logit_bias=((7, 3.0),), **penalties
+    )
     url = cluster.urls["http"] + "/v1/completions"
     for params, extra in (
         (greedy, {"temperature": 0}),
         (seeded, {"temperature": 0.8, "top_p": 0.9, "seed": 11}),
+        (processed, {"temperature": 0.8, "seed": 5, "logit_bias": {"7": 3.0}, **penalties}),
     ):
         expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
         got = []
@@ -122,6 +129,36 @@ def test_greedy_and_seeded_outputs_equal_the_offline_engine(cluster):
             assert response.status_code == 200, response.text
             got.append(response.json()["choices"][0]["token_ids"])
         assert got == expected
+
+
+def test_a_list_of_prompts_echo_and_logit_bias_through_the_openai_client(openai_client):
+    def complete(prompt, **options):
+        options = {"max_tokens": 6, "temperature": 0, **options}
+        return openai_client.completions.create(model="tiny", prompt=prompt, **options)
+
+    batch = complete(PROMPTS[:3])
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [complete(p).choices[0].text for p in PROMPTS[:3]]
+    assert batch.usage.completion_tokens == 18
+
+    echoed = complete(PROMPTS[0], echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + complete(PROMPTS[0]).choices[0].text
+
+    biased = complete(
+        PROMPTS[1],
+        temperature=1.0,
+        seed=3,
+        logit_bias={"42": 100},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert biased.choices[0].model_extra["token_ids"] == [42] * 6
+
+    streamed = list(complete(PROMPTS[:2], stream=True))
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in batch.choices[:2]]
 
 
 def test_64_concurrent_requests_complete_and_free_every_block(cluster):
