@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.step_cost import StepCost
@@ -287,9 +288,11 @@ class TTFTForecast:
 
     ``slot_wait_s``: the wait in the line for decode capacity, ``(waiting + 1)`` turns
     (:class:`LineTurnTime`: how often the line moves). The ``free_slots`` under the
-    replicas' slot limits go to the first in line; every turn after them also takes at least
-    the time between two slots freeing (``slots_freed``), and with none freed lately the
-    wait is infinite: nothing suggests a slot frees in time.
+    replicas' slot limits go to the first in line; the k-th turn after them waits for the
+    k-th slot to free: when the running requests are expected to end (``slot_ends_s``, from
+    router.decode_progress), and past those, at the rate slots freed lately
+    (``slots_freed``); with none expected and none freed lately the wait is infinite:
+    nothing suggests a slot frees in time.
     ``prefill_s``: the prompt tokens admitted and still waiting for their first token, plus
     this prompt, over the pool's speed. Until that speed is measured (the first half second
     of work), a backlog of up to ``cold_tokens`` forecasts 0 and more is refused: a burst
@@ -379,17 +382,25 @@ class TTFTForecast:
         prefill_backlog_tokens: int,
         prompt_tokens: int,
         prefill_replicas: list[str],
+        slot_ends_s: Sequence[float] = (),
     ) -> Forecast:
         """``waiting``: requests in the line for decode capacity; ``current_turn_s``: how
         long the line has not moved (0 with no line); ``free_slots``: how many more
-        requests the replicas' slot limits let in now."""
+        requests the replicas' slot limits let in now; ``slot_ends_s``: when the requests
+        holding slots are expected to end, soonest first."""
         turn = self.turn_time.mean_s(now, current_turn_s)
-        turns_for_a_slot = max(0, waiting + 1 - free_slots)
+        turns_for_a_slot = math.ceil(max(0, waiting + 1 - free_slots))
         slot_wait = (waiting + 1 - turns_for_a_slot) * turn
         if turns_for_a_slot:
             freed_per_s = self.slots_freed.rate(now)
             per_slot = max(turn, 1.0 / freed_per_s) if freed_per_s > 0 else math.inf
-            slot_wait += turns_for_a_slot * per_slot
+            known = sorted(slot_ends_s)
+            if turns_for_a_slot <= len(known):
+                slot_wait += max(known[turns_for_a_slot - 1], turns_for_a_slot * turn)
+            elif known:
+                slot_wait += known[-1] + (turns_for_a_slot - len(known)) * per_slot
+            else:
+                slot_wait += turns_for_a_slot * per_slot
         prefill = own = 0.0
         speed = self.capacity.pool_tokens_per_s(prefill_replicas)
         if speed:

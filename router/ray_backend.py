@@ -63,6 +63,7 @@ from router.backend import (
     TokenDelta,
 )
 from router.config import RouterLimits
+from router.decode_progress import DecodeProgress
 from router.load_window import LoadWindow, RequestSample
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet
@@ -161,6 +162,7 @@ class RayBackend(Backend):
         self.slot_limits: dict[str, DecodeSlotLimit] = {}
         self.turn_time = LineTurnTime()
         self.slots_freed = RateMeter()
+        self.decode_progress = DecodeProgress()  # when each slot's request should end
         self.capacity = ReplicaCapacity()  # each replica's measured step cost
         self.ttft_forecast = TTFTForecast(
             self.turn_time,
@@ -335,6 +337,7 @@ class RayBackend(Backend):
         try:
             decode, reservation = await self._reserve(request, worker_rid, admitted, timeline)
             served_by.add(decode.name)
+            self.decode_progress.start(worker_rid, decode.name, request.params.max_tokens)
             backlog = len(request.prompt_token_ids)
             self.prefill_backlog_tokens += backlog
             slot_limit = self.slot_limits.get(decode.name)
@@ -386,6 +389,7 @@ class RayBackend(Backend):
                     if error_s is not None:
                         RouterMetrics.of(self).ttft_forecast_error.observe(error_s)
                     timeline.first_token = now
+                self.decode_progress.delivered(worker_rid, now, len(delta["token_ids"]))
                 if slot_limit is not None and last_delivery is not None:
                     slot_limit.observe(now, now - last_delivery, len(delta["token_ids"]))
                 last_delivery = now
@@ -406,6 +410,7 @@ class RayBackend(Backend):
             self._queues.pop(worker_rid, None)
             self._owner.pop(worker_rid, None)
             self.ttft_forecast.forget(worker_rid)
+            self.decode_progress.end(worker_rid)
             self.prefill_backlog_tokens -= backlog
             if decode is not None:
                 decode.in_flight -= 1
@@ -583,14 +588,16 @@ class RayBackend(Backend):
     ) -> Forecast:
         """Early rejection: 429 now for a request that would miss its TTFT target."""
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
+        started = time.monotonic()
         forecast = self.ttft_forecast.forecast(
-            time.monotonic(),
+            started,
             waiting=self.waiting,
             current_turn_s=self._current_turn_s(),
             free_slots=sum(self._free_slots(r) for r in candidates),
             prefill_backlog_tokens=self.prefill_backlog_tokens,
             prompt_tokens=len(request.prompt_token_ids),
             prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
+            slot_ends_s=self.decode_progress.slot_ends_s({r.name for r in candidates}, started),
         )
         now = time.monotonic()
         limit_s = slo.ttft_limit_s(forecast.own_prefill_s)

@@ -250,6 +250,44 @@ def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wa
     assert behind.slot_wait_s == pytest.approx(3 * 0.1 + 5 * 0.5)
 
 
+def test_ttft_forecast_waits_for_the_running_requests_expected_ends():
+    head, freed = LineTurnTime(), RateMeter(window_s=5.0)
+    forecast = TTFTForecast(head, freed, ReplicaCapacity())
+    head.departed(9.0, 0.1)
+    args = dict(current_turn_s=0.0, prefill_backlog_tokens=0, prompt_tokens=10)
+    args["prefill_replicas"] = []
+    # Light load: no slot freed in the window, so the rate alone says "never"...
+    assert forecast.forecast(10.0, waiting=0, free_slots=0, **args).slot_wait_s == math.inf
+    # ...but the running requests say when they end: the first slot frees in 1.2 s.
+    ends = [1.2, 3.0]
+    soon = forecast.forecast(10.0, waiting=0, free_slots=0, slot_ends_s=ends, **args)
+    assert soon.slot_wait_s == pytest.approx(1.2)
+    second = forecast.forecast(10.0, waiting=1, free_slots=0, slot_ends_s=ends, **args)
+    assert second.slot_wait_s == pytest.approx(3.0)
+    # Past the known ends, turns go at the rate slots freed lately (2 in 4 s here).
+    freed.add(6.0)
+    freed.add(8.5)
+    third = forecast.forecast(10.0, waiting=2, free_slots=0, slot_ends_s=ends, **args)
+    assert third.slot_wait_s == pytest.approx(3.0 + 2.0)
+
+
+def test_decode_progress_expects_each_request_to_end_at_its_own_pace():
+    from router.decode_progress import DecodeProgress
+
+    progress = DecodeProgress()
+    progress.start("a", "d0", max_tokens=10)
+    progress.start("b", "d0", max_tokens=4)
+    progress.start("c", "d1", max_tokens=2)
+    assert progress.slot_ends_s({"d0"}, 0.0) == []  # no pace yet (prefilling)
+    progress.delivered("a", 1.0, 1)
+    progress.delivered("a", 1.5, 1)  # 0.5 s per token, 8 left → 4 s after its last token
+    progress.delivered("b", 1.0, 1)
+    progress.delivered("b", 1.2, 2)  # 0.1 s per token, 1 left
+    assert progress.slot_ends_s({"d0"}, 1.5) == pytest.approx([0.0, 4.0])
+    progress.end("b")
+    assert progress.slot_ends_s({"d0", "d1"}, 2.0) == pytest.approx([3.5])
+
+
 def test_ttft_forecast_learns_what_its_terms_leave_out_and_fresh_requests_replace_it():
     head, capacity = LineTurnTime(), ReplicaCapacity()
     forecast = TTFTForecast(
