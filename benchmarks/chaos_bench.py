@@ -170,8 +170,10 @@ def _leaked_blocks(running, timeout_s: float = 60.0) -> tuple[int, int]:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        leaked = unread = 0
-        for handle in running.workers().values():
+        listed = [name for names in running.pools().values() for name in names]
+        handles = running.workers()
+        leaked, unread = 0, len(set(listed) - set(handles))  # listed, but not there (yet)
+        for handle in handles.values():
             try:
                 stats = ray.get(handle.stats.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - a replacement still loading: look again

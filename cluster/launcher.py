@@ -33,10 +33,17 @@ class RunningCluster:
     started_ray: bool = False
 
     def workers(self) -> dict[str, Any]:
-        """Worker actor name → handle, as they are now (replicas come and go)."""
+        """Worker actor name → handle, as they are now (replicas come and go: one that died
+        since the controller listed it is left out)."""
         status = ray.get(self.controller.status.remote())
         names = [r["name"] for replicas in status["pools"].values() for r in replicas]
-        return {name: ray.get_actor(name, namespace=self.config.namespace) for name in names}
+        handles = {}
+        for name in names:
+            try:
+                handles[name] = ray.get_actor(name, namespace=self.config.namespace)
+            except ValueError:
+                continue  # killed or crashed; the controller replaces it
+        return handles
 
     def pools(self) -> dict[str, list[str]]:
         status = ray.get(self.controller.status.remote())
