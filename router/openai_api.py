@@ -93,6 +93,7 @@ class OpenAIServer:
                 "compute: ask for one or the other",
                 "echo",
             )
+        grammar = grammar_of(req)
         prompts = prompt_list(req.prompt, self.config.max_prompts_per_request)
         many = len(prompts) > 1
         ids = [
@@ -100,14 +101,24 @@ class OpenAIServer:
             for i, p in enumerate(prompts)
         ]
         params = [
-            self._params(req, one, req.max_tokens, self.config.default_max_tokens, req.logprobs)
+            self._params(
+                req, one, req.max_tokens, self.config.default_max_tokens, req.logprobs, grammar
+            )
             for one in ids
         ]
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.backend.tokenizer.decode(p) for p in prompts]
         return self._prepared(
-            "completion", "cmpl", req, ids, params, arrival, req.logprobs is not None, echo
+            "completion",
+            "cmpl",
+            req,
+            ids,
+            params,
+            arrival,
+            req.logprobs is not None,
+            echo,
+            grammar,
         )
 
     def prepare_chat(self, body: dict[str, Any], arrival: float) -> Prepared:
@@ -124,11 +135,14 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"
         top = (req.top_logprobs or 0) if req.logprobs else None
+        grammar = grammar_of(req)
         # Chat's default is whatever the context leaves (capped by the server), as OpenAI's.
-        params = self._params(req, ids, max_tokens, None, top, param)
-        return self._prepared("chat", "chatcmpl", req, [ids], [params], arrival, req.logprobs)
+        params = self._params(req, ids, max_tokens, None, top, grammar, param)
+        return self._prepared(
+            "chat", "chatcmpl", req, [ids], [params], arrival, req.logprobs, grammar=grammar
+        )
 
-    def _params(self, req, ids, max_tokens, default, logprobs, param="max_tokens"):
+    def _params(self, req, ids, max_tokens, default, logprobs, grammar, param="max_tokens"):
         return sampling_params(
             self.backend,
             self.config,
@@ -148,7 +162,7 @@ class OpenAIServer:
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=req.logit_bias,
-            grammar=grammar[1] if (grammar := grammar_of(req)) else None,
+            grammar=grammar[1] if grammar else None,
             max_tokens_param=param,
         )
 
@@ -168,7 +182,7 @@ class OpenAIServer:
             self._grammars = GrammarCompiler(self.backend.tokenizer, self.backend.vocab_size)
         self._grammars.compile(spec)
 
-    def _prepared(self, kind, prefix, req, ids, params, arrival, logprobs, echo=None):
+    def _prepared(self, kind, prefix, req, ids, params, arrival, logprobs, echo=None, grammar=None):
         request_id = new_request_id(prefix)
         requests = [
             # A list of prompts: each its own request in the cluster, "<id>-<index>".
@@ -189,7 +203,7 @@ class OpenAIServer:
             return_timings=req.return_timings,
             logprobs=bool(logprobs),
             echo=echo,
-            grammar_param=grammar[0] if (grammar := grammar_of(req)) else None,
+            grammar_param=grammar[0] if grammar else None,
         )
 
     # ---- running ---------------------------------------------------------------------
