@@ -29,8 +29,14 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str: ...
+
+    @property
+    def chat_template_takes_tools(self) -> bool: ...
 
 
 def render_chat_template(template: str, messages: list[dict[str, Any]], **variables: Any) -> str:
@@ -130,7 +136,10 @@ class HFTokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self.chat_template:
             raise InvalidRequestError(
@@ -143,7 +152,13 @@ class HFTokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list (else a server describes them)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
 
 
 def directory_chat_templates(model_dir: Path, config: dict[str, Any]) -> dict[str, str]:
@@ -215,8 +230,13 @@ class ByteTokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         return render_chat_template(
             self.CHAT_TEMPLATE, messages, add_generation_prompt=add_generation_prompt
         )
+
+    chat_template_takes_tools = False

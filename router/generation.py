@@ -54,12 +54,15 @@ def tokenize_prompt(
     return ids
 
 
-def tokenize_chat(backend: Backend, messages: list[dict[str, Any]]) -> list[int]:
+def tokenize_chat(
+    backend: Backend, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Chat messages rendered with the model's chat template (with the assistant's turn
-    opened), tokenized, checked against the model's length limit."""
+    opened; ``tools`` for a template that renders them), tokenized, checked against the
+    model's length limit."""
     tokenizer = backend.tokenizer
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except InvalidRequestError as err:
         raise bad_request(str(err), "messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)

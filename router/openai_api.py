@@ -49,6 +49,7 @@ from router.openai_protocol import (
     refuse_unserved,
     validation_error,
 )
+from router.tool_calls import describe_tools, tool_grammar, tool_use
 
 T = TypeVar("T")
 
@@ -130,17 +131,34 @@ class OpenAIServer:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        ids = tokenize_chat(self.backend, chat_messages(req.messages))
+        grammar = grammar_of(req)
+        messages = chat_messages(req.messages)
+        use = tool_use(req.tools, req.tool_choice)
+        template_tools = None
+        if use is not None:
+            if use.forced and grammar is not None:
+                raise bad_request(
+                    "a forced tool call and a response format cannot be asked for together",
+                    "tool_choice",
+                )
+            if getattr(self.backend.tokenizer, "chat_template_takes_tools", False):
+                template_tools = req.tools
+            else:  # described in a system message, as servers do for such templates
+                messages = _with_system_text(messages, describe_tools(use))
+            if use.forced:
+                grammar = ("tool_choice", tool_grammar(use))
+        ids = tokenize_chat(self.backend, messages, template_tools)
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"
         top = (req.top_logprobs or 0) if req.logprobs else None
-        grammar = grammar_of(req)
         # Chat's default is whatever the context leaves (capped by the server), as OpenAI's.
         params = self._params(req, ids, max_tokens, None, top, grammar, param)
-        return self._prepared(
+        prep = self._prepared(
             "chat", "chatcmpl", req, [ids], [params], arrival, req.logprobs, grammar=grammar
         )
+        prep.tools = use
+        return prep
 
     def _params(self, req, ids, max_tokens, default, logprobs, grammar, param="max_tokens"):
         return sampling_params(
@@ -240,15 +258,24 @@ class OpenAIServer:
 
     async def _events(self, prep: Prepared, firsts: list[TextDelta], streams):
         """Each choice streams in turn: the others' requests run meanwhile, their tokens
-        waiting in the backend until their turn."""
+        waiting in the backend until their turn. With tools, an answer is sent whole at its
+        end: only then is it known to be a call or text."""
         num_tokens = 0
         try:
-            for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
-                delta: TextDelta | None = first
-                while delta is not None:
-                    num_tokens += len(delta.token_ids)
-                    yield sse(self.format.chunk(prep, index, delta, is_first=delta is first))
-                    delta = None if delta.finish_reason else await stream.__anext__()
+            if prep.tools is not None:
+                deltas = [firsts[0]]
+                while not deltas[-1].finish_reason:
+                    deltas.append(await streams[0].__anext__())
+                num_tokens = sum(len(d.token_ids) for d in deltas)
+                for chunk in self.format.tool_chunks(prep, deltas):
+                    yield sse(chunk)
+            else:
+                for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
+                    delta: TextDelta | None = first
+                    while delta is not None:
+                        num_tokens += len(delta.token_ids)
+                        yield sse(self.format.chunk(prep, index, delta, is_first=delta is first))
+                        delta = None if delta.finish_reason else await stream.__anext__()
             if prep.include_usage:
                 yield sse(self.format.usage_chunk(prep, num_tokens))
             yield "data: [DONE]\n\n"
@@ -257,6 +284,14 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             await _close_all(streams)
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``text`` added to the system message (one put first if there is none)."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}".strip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 async def _all_of(works: list[Callable[[], Awaitable[T]]]) -> list[T]:

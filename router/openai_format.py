@@ -12,6 +12,7 @@ from typing import Any, Literal
 from engine.sequence import TokenLogprobs
 from router.backend import GenerateRequest
 from router.generation import TextDelta, logprob_entries
+from router.tool_calls import ToolUse, parse_tool_calls
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Prepared:
     return_timings: bool = False
     echo: list[str] | None = None  # completions with echo: each choice's prompt text
     grammar_param: str | None = None  # the field that asked for a grammar, if one did
+    tools: ToolUse | None = None  # chat with tools: the answer may be calls
     created: int = field(default_factory=lambda: int(time.time()))
     # completions logprobs: where each choice's next token's text starts
     text_offsets: list[int] = field(default_factory=list)
@@ -76,6 +78,27 @@ class ResponseFormat:
         if prep.return_timings and delta.timings:
             out["timings_ms"] = _milliseconds(delta.timings)
         return out
+
+    def tool_chunks(self, prep: Prepared, deltas: list[TextDelta]) -> list[dict[str, Any]]:
+        """A whole chat answer with tools offered, as stream chunks: its calls (each with its
+        arguments in one piece) or its text, then the finish."""
+        whole = self.full_response(prep, [deltas])
+        choice = whole["choices"][0]
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        chunks = []
+        for part, finish in ((delta, None), ({}, choice["finish_reason"])):
+            out = self.envelope(prep, chunk=True)
+            entry = {"index": 0, "delta": part, "logprobs": None, "finish_reason": finish}
+            if finish is None and prep.logprobs:
+                entry["logprobs"] = choice["logprobs"]
+            out["choices"] = [entry]
+            if prep.include_usage:
+                out["usage"] = None
+            chunks.append(out)
+        return chunks
 
     def usage_chunk(self, prep: Prepared, completion_tokens: int) -> dict[str, Any]:
         chunk = self.envelope(prep, chunk=True)
@@ -130,7 +153,12 @@ class ResponseFormat:
             delta = {"role": "assistant", "content": text} if is_first else {"content": text}
             choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = parse_tool_calls(text, prep.tools) if prep.tools is not None else None
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": index, "message": message}
         choice["logprobs"] = self._logprobs(prep, index, logprobs) if prep.logprobs else None
         choice["finish_reason"] = finish
         if prep.return_token_ids:

@@ -72,6 +72,9 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    tools: Any = None  # checked in router.tool_calls
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # more than one call may come back either way
 
 
 # Official fields not served: absent, null or one of these values ("off"), else a 400.
@@ -86,13 +89,10 @@ UNSERVED: dict[str, dict[str, tuple]] = {
         "functions": ([],),
         "metadata": (),
         "modalities": (["text"],),
-        "parallel_tool_calls": (),
         "prediction": (),
         "reasoning_effort": (),
         "service_tier": ("auto", "default"),
         "store": (False,),
-        "tool_choice": ("none",),
-        "tools": ([],),
         "verbosity": (),
         "web_search_options": (),
     },
@@ -231,6 +231,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{i}] must be an object with a role in {list(_ROLES)}", "messages"
             )
         content = m.get("content")
+        if m.get("role") == "assistant" and m.get("tool_calls") and not content:
+            content = _calls_as_text(m["tool_calls"], i)
         if isinstance(content, list):
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -248,6 +250,28 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             )
         out.append({**m, "content": content})
     return out
+
+
+def _calls_as_text(calls: Any, i: int) -> str:
+    """An earlier assistant turn's tool calls, as the model writes them (for a template
+    that does not render ``tool_calls`` itself)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+    parts = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls entries need a function name", "messages")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise bad_request(
+                f"messages[{i}].tool_calls arguments must be JSON", "messages"
+            ) from None
+        body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+        parts.append(f"<tool_call>{body}</tool_call>")
+    return "\n".join(parts)
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:

@@ -80,3 +80,46 @@ def test_json_schema_output_validates_in_10_of_10_seeded_samples(served):
     for choice in map(sample, range(10)):
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_required_tool_call_comes_back_parsed_and_valid(served):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    client = client_of(served)
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    options = dict(
+        model="smollm2-135m",
+        messages=ask,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=48,
+        temperature=0,
+    )
+    choice = client.chat.completions.create(**options).choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed = list(client.chat.completions.create(**options, stream=True))
+    calls = [c for chunk in streamed for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [c.function.arguments for c in calls] == [call.function.arguments]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
