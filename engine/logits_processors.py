@@ -21,7 +21,7 @@ def process_logits(
 ) -> torch.Tensor:
     """logits [n, V] float32 of ``seqs``' next tokens → the logits each row samples from (a
     new tensor when any row asks for processing; ``logits`` itself otherwise)."""
-    rows = [i for i, s in enumerate(seqs) if s.params.needs_logits_processing]
+    rows = [i for i, s in enumerate(seqs) if _asks(s)]
     if not rows:
         return logits
     logits = logits.clone()
@@ -32,6 +32,15 @@ def process_logits(
     _logit_bias(logits, device, [(i, p) for i, p, _, _ in chosen])
     _min_tokens(logits, device, [(i, p, len(out)) for i, p, _, out in chosen], eos_token_ids)
     return logits
+
+
+def _asks(seq: Sequence) -> bool:
+    """Whether this step changes the row's logits: min_tokens only until that many are out
+    (a request with min_tokens must not cost a logits copy for the rest of its life)."""
+    params = seq.params
+    if params.needs_logits_processing:
+        return True
+    return seq.num_tokens - seq.num_prompt_tokens < params.min_tokens
 
 
 def _repetition_penalty(logits, device, rows) -> None:

@@ -96,13 +96,13 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """Whether the logits change before sampling (besides temperature, top-k, top-p)."""
+        """Whether the logits change before every sample (besides temperature, top-k,
+        top-p); min_tokens changes them only until that many tokens are out."""
         return bool(
             self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
-            or self.min_tokens
         )
 
     @property
