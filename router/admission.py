@@ -394,7 +394,7 @@ class TTFTForecast:
         if turns_for_a_slot:
             freed_per_s = self.slots_freed.rate(now)
             per_slot = max(turn, 1.0 / freed_per_s) if freed_per_s > 0 else math.inf
-            known = sorted(slot_ends_s)
+            known = slot_ends_s  # soonest first
             if turns_for_a_slot <= len(known):
                 slot_wait += max(known[turns_for_a_slot - 1], turns_for_a_slot * turn)
             elif known:

@@ -12,6 +12,7 @@ that disconnects cancels its request: the backend's generator is closed.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -154,11 +155,17 @@ class OpenAIServer:
         top = (req.top_logprobs or 0) if req.logprobs else None
         # Chat's default is whatever the context leaves (capped by the server), as OpenAI's.
         params = self._params(req, ids, max_tokens, None, top, grammar, param)
-        prep = self._prepared(
-            "chat", "chatcmpl", req, [ids], [params], arrival, req.logprobs, grammar=grammar
+        return self._prepared(
+            "chat",
+            "chatcmpl",
+            req,
+            [ids],
+            [params],
+            arrival,
+            req.logprobs,
+            grammar=grammar,
+            tools=use,
         )
-        prep.tools = use
-        return prep
 
     def _params(self, req, ids, max_tokens, default, logprobs, grammar, param="max_tokens"):
         return sampling_params(
@@ -200,7 +207,9 @@ class OpenAIServer:
             self._grammars = GrammarCompiler(self.backend.tokenizer, self.backend.vocab_size)
         self._grammars.compile(spec)
 
-    def _prepared(self, kind, prefix, req, ids, params, arrival, logprobs, echo=None, grammar=None):
+    def _prepared(
+        self, kind, prefix, req, ids, params, arrival, logprobs, echo=None, grammar=None, tools=None
+    ):
         request_id = new_request_id(prefix)
         requests = [
             # A list of prompts: each its own request in the cluster, "<id>-<index>".
@@ -222,6 +231,7 @@ class OpenAIServer:
             logprobs=bool(logprobs),
             echo=echo,
             grammar_param=grammar[0] if grammar else None,
+            tools=tools,
         )
 
     # ---- running ---------------------------------------------------------------------
@@ -240,15 +250,8 @@ class OpenAIServer:
                     streams = []  # the event stream closes them
                     return EventStreamResponse(body)
             else:
-
-                def collect(stream):
-                    async def run() -> list[TextDelta]:
-                        return [delta async for delta in stream]
-
-                    return run
-
                 done, results = await _unless_disconnected(
-                    http, lambda: _all_of([collect(s) for s in streams])
+                    http, lambda: _all_of([functools.partial(_collect, s) for s in streams])
                 )
                 if done:
                     return JSONResponse(self.format.full_response(prep, results))
@@ -315,6 +318,10 @@ async def _all_of(works: list[Callable[[], Awaitable[T]]]) -> list[T]:
     if errors:
         raise errors[0]
     return results
+
+
+async def _collect(stream) -> list[TextDelta]:
+    return [delta async for delta in stream]
 
 
 async def _close_all(streams) -> None:

@@ -109,13 +109,12 @@ def describe_tools(use: ToolUse) -> str:
         )
         for t in use.tools
     )
-    how = (
-        "You must call one of them."
-        if use.choice == "required"
-        else f"You must call {use.choice}."
-        if use.forced
-        else "Call one only if it helps; otherwise answer normally."
-    )
+    if use.choice == "required":
+        how = "You must call one of them."
+    elif use.forced:
+        how = f"You must call {use.choice}."
+    else:
+        how = "Call one only if it helps; otherwise answer normally."
     return (
         "You have access to these functions:\n"
         f"{listing}\n"

@@ -66,15 +66,20 @@ def test_greedy_tokens_match_transformers_one_by_one_and_batched(checkpoint):
     assert batched == expected
 
 
-def test_chunked_prefill_matches(checkpoint):
-    directory, hf_model = checkpoint
-    llm = LLM(
+def chunked_llm(directory) -> LLM:
+    """Prompts in chunks of at most 16 tokens, every token computed (no prefix cache)."""
+    return LLM(
         directory,
         num_kv_blocks=64,
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
         progress=False,
     )
+
+
+def test_chunked_prefill_matches(checkpoint):
+    directory, hf_model = checkpoint
+    llm = chunked_llm(directory)
     prompt = PROMPTS[2]  # 45 tokens → chunks of 16, 16, 13
     assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf_model, prompt)
 
@@ -98,13 +103,7 @@ def test_mixed_batches_match(checkpoint):
     """Decode rows and a prompt chunk in one step: each part through its own attention path,
     tokens as transformers'."""
     directory, hf_model = checkpoint
-    llm = LLM(
-        directory,
-        num_kv_blocks=64,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=False,
-        progress=False,
-    )
+    llm = chunked_llm(directory)
     runner, kinds = llm.engine.runner, set()
     prepare = runner.prepare
 
