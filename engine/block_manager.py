@@ -2,6 +2,8 @@
 
 A full block is identified by a hash chain over the token ids of every block up to and
 including it, so two sequences with the same prefix share its blocks (reference counted).
+Forks of one prompt (``n`` > 1) share all its blocks, the partial last one too; a sequence
+about to write into a shared block first gets its own copy (copy-on-write).
 Blocks nobody references but that hold a cached prefix stay cached until the allocator needs
 them, oldest released first (LRU).
 """
@@ -81,16 +83,17 @@ class BlockManager:
 
     # ---- sequence lifecycle --------------------------------------------------------
     def allocate(
-        self, token_ids: Sequence[int], num_tokens: int | None = None
+        self, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
     ) -> tuple[list[int], int]:
         """Blocks for the first ``num_tokens`` (default all) of ``token_ids``.
 
-        Reuses cached full blocks of the longest matching prefix, but never the block holding
-        the last token (its logits must be computed). Returns (block table, cached token
-        count); raises EngineError if the pool cannot hold it (callers check ``can_allocate``).
+        Reuses cached full blocks of the longest matching prefix (unless not ``use_cache``),
+        but never the block holding the last token (its logits must be computed). Returns
+        (block table, cached token count); raises EngineError if the pool cannot hold it
+        (callers check ``can_allocate``).
         """
         num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(token_ids, num_tokens)
+        hits = self._prefix_hits(token_ids, num_tokens) if use_cache else []
         needed = self.blocks_needed(num_tokens) - len(hits)
         if needed > self._available_excluding(hits):
             raise EngineError(f"KV cache full: {needed} blocks needed, {self.num_free_blocks} free")
@@ -103,9 +106,11 @@ class BlockManager:
         self.prefix_hit_tokens += cached_tokens
         return table, cached_tokens
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None) -> bool:
+    def can_allocate(
+        self, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True
+    ) -> bool:
         num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(token_ids, num_tokens)
+        hits = self._prefix_hits(token_ids, num_tokens) if use_cache else []
         return self.blocks_needed(num_tokens) - len(hits) <= self._available_excluding(hits)
 
     def grow(self, table: list[int], num_tokens: int) -> bool:
@@ -126,6 +131,30 @@ class BlockManager:
                 f"KV cache full: {num_blocks} blocks needed, {self.num_free_blocks} free"
             )
         return [self._allocate_fresh() for _ in range(num_blocks)]
+
+    def fork(self, table: list[int]) -> list[int]:
+        """A second table sharing every block of ``table`` (each one's count goes up)."""
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1
+        return list(table)
+
+    def is_shared(self, block_id: int) -> bool:
+        return self.blocks[block_id].ref_count > 1
+
+    def copy_on_write(self, table: list[int], index: int) -> tuple[int, int] | None:
+        """Before writing into ``table[index]``: if another table shares it, give this one a
+        fresh block instead and return (source, destination) for the caller to copy; None if
+        the block is already its own. Raises EngineError when no block is free."""
+        block_id = table[index]
+        block = self.blocks[block_id]
+        if block.ref_count == 1:
+            return None
+        if not self.num_free_blocks:
+            raise EngineError("KV cache full: no block free for a copy-on-write")
+        fresh = self._allocate_fresh()
+        block.ref_count -= 1
+        table[index] = fresh
+        return block_id, fresh
 
     def free(self, table: list[int]) -> None:
         """Release a sequence's blocks (last block first, so its tail is evicted first)."""

@@ -66,6 +66,16 @@ class PagedKVCache:
             v_scale=None if self.v_scale is None else self.v_scale[index],
         )
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block, every layer's K, V and scales."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for tensor in (self.k, self.v, self.k_scale, self.v_scale):
+            if tensor is not None:
+                tensor[:, dst] = tensor[:, src]
+
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers, K and V, scales included."""
         element = self.k.element_size()

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,23 +26,28 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import Fork, Sequence, SequenceStatus, TokenLogprobs
 from engine.step_cost import StepCostModel
 
 logger = logging.getLogger(__name__)
 
 
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: logits of this many positions at a time
+
+
 @dataclass
 class StepResult:
     """What one step produced: every token sampled (request id, token, logprobs or None),
-    and the requests that finished."""
+    the requests that finished, and the prompt logprobs of requests whose first token this
+    is (when they asked)."""
 
     new_tokens: list[tuple[str, int, TokenLogprobs | None]]
     finished: list[RequestOutput]
     seconds: float = 0.0  # the step's wall time
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 def cpu_gemm_plan(model, choice: str) -> GemmPlan:
@@ -94,6 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed, self.model_config.vocab_size, self.tokenizer)
         self._requests: dict[str, Sequence] = {}
+        self._fork_parent: dict[str, Sequence] = {}  # a fork not spawned yet → its prompt's seq
         self._prompts: dict[str, str | None] = {}
         self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
@@ -137,9 +143,11 @@ class LLMEngine:
                 )
         return ids
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, forks: Seq[Fork] = ()
+    ) -> None:
         """Raise InvalidRequestError if this engine could never serve the request."""
-        self._check_fits(self.tokenize_prompt(prompt_token_ids), params)
+        self._check_group(self.tokenize_prompt(prompt_token_ids), params, forks)
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if len(ids) >= self.max_model_len:
@@ -170,17 +178,38 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        forks: Seq[Fork] = (),
     ) -> Sequence:
+        """Queue a request; each of ``forks`` is another sequence of the same prompt,
+        prefilled once with it (OpenAI's ``n``), reported under its own request id."""
         params = params or SamplingParams()
         ids = self.tokenize_prompt(prompt)  # token ids checked here, once
-        self._check_fits(ids, params)
+        self._check_group(ids, params, forks)
         seq = Sequence(prompt_token_ids=ids, params=params, request_id=request_id or "")
-        if seq.request_id in self._requests:
-            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._check_ids_free([seq.request_id, *(f.request_id for f in forks)])
+        seq.forks = tuple(forks)
         self._requests[seq.request_id] = seq
         self._prompts[seq.request_id] = prompt if isinstance(prompt, str) else None
+        for fork in forks:
+            self._fork_parent[fork.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _check_group(self, ids: list[int], params: SamplingParams, forks: Seq[Fork]) -> None:
+        for p in (params, *(f.params for f in forks)):
+            self._check_fits(ids, p)
+        if 1 + len(forks) > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"{1 + len(forks)} sequences of one prompt exceed this engine's limit of "
+                f"{self.config.max_num_seqs} running at once"
+            )
+
+    def _check_ids_free(self, request_ids: list[str]) -> None:
+        if len(set(request_ids)) != len(request_ids):
+            raise InvalidRequestError(f"request ids {request_ids} repeat one")
+        for request_id in request_ids:
+            if request_id in self._requests or request_id in self._fork_parent:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
 
     def describe(self) -> dict:
         """What a serving worker reports about this engine (fixed for its lifetime)."""
@@ -215,17 +244,43 @@ class LLMEngine:
         }
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._fork_parent
 
     def request_ids(self) -> list[str]:
-        return list(self._requests)
+        return [*self._requests, *self._fork_parent]
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request (or a fork not spawned yet); None if there is no such request.
+        Aborting a prompt whose forks are not spawned yet hands the prompt, computed so far,
+        to its first fork."""
+        parent = self._fork_parent.pop(request_id, None)
+        if parent is not None:
+            parent.forks = tuple(f for f in parent.forks if f.request_id != request_id)
+            return self._aborted_output(request_id, parent)
         seq = self._requests.get(request_id)
         if seq is None:
             return None
+        if seq.forks:
+            heir, *rest = seq.forks
+            del self._fork_parent[heir.request_id]
+            output = self._aborted_output(request_id, seq)
+            self._requests[heir.request_id] = self._requests.pop(request_id)
+            self._prompts[heir.request_id] = self._prompts.pop(request_id)
+            seq.request_id, seq.params, seq.forks = heir.request_id, heir.params, tuple(rest)
+            return output
         self.scheduler.finish(seq, "abort")
         return self._release(seq)
+
+    def _aborted_output(self, request_id: str, seq: Sequence) -> RequestOutput:
+        """The output of a request aborted before its first token, sharing ``seq``'s prompt."""
+        return RequestOutput(
+            request_id=request_id,
+            prompt=self._prompts.get(seq.request_id),
+            prompt_token_ids=seq.prompt_token_ids,
+            text="",
+            token_ids=[],
+            finish_reason="abort",
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -244,7 +299,10 @@ class LLMEngine:
             return StepResult([], [])
         prompt_tokens = 0
         layer_done = layer_hook(batch) if layer_hook is not None else None
-        logits, sampling = self.runner.run(batch, layer_done)
+        self.cache.copy_blocks(batch.copies)
+        logits, sampling, prompt_hidden = self.runner.run(batch, layer_done)
+        for i, hidden in prompt_hidden.items():
+            self._record_prompt_logprobs(batch.seqs[i], hidden)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prompt_tokens += min(count, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -255,6 +313,15 @@ class LLMEngine:
         result = StepResult([], [])
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
+            rows = list(range(len(seqs)))  # each sequence's row of the logits
+            for row, seq in enumerate(list(seqs)):
+                if seq.forks:  # its prompt is done: its forks sample from the same logits
+                    children = [self._spawn(seq, fork) for fork in seq.forks]
+                    seq.forks = ()
+                    seqs += children
+                    rows += [row] * len(children)
+            if len(rows) > len(sampling):
+                logits = logits[torch.tensor(rows, device=logits.device)]
             tokens, logprobs = self.sampler.sample(logits, seqs)
             for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                 self._accept_token(seq, token, lp, result)
@@ -271,15 +338,17 @@ class LLMEngine:
         request_id: str,
         block_ids: list[int],
         first_token: int,
+        forks: Seq[tuple[Fork, int]] = (),
     ) -> tuple[Sequence, StepResult]:
         """Start decoding a request whose prompt K/V another worker computed into ``block_ids``
-        of this cache, with the first token it sampled. The blocks now belong to the sequence
-        (freed when it finishes). Returns the sequence and the first token's StepResult."""
+        of this cache, with the first token it sampled; each of ``forks`` (a fork and its
+        first token) decodes too, sharing those blocks. The blocks now belong to the
+        sequences (freed when the last finishes). Returns the request's sequence and the
+        first tokens' StepResult."""
         seq = Sequence(
             prompt_token_ids=list(prompt_token_ids), params=params, request_id=request_id
         )
-        if seq.request_id in self._requests:
-            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._check_ids_free([request_id, *(f.request_id for f, _ in forks)])
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_registered_blocks = self.block_manager.register_full_blocks(
@@ -287,17 +356,59 @@ class LLMEngine:
         )
         self._requests[seq.request_id] = seq
         self._prompts[seq.request_id] = None
-        self.sampler.skip_first_draw(seq.seq_id, params, self.device)
+        seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)
+        group = [seq, *(self._spawn(seq, fork) for fork, _ in forks)]
         result = StepResult([], [])
-        self._accept_token(seq, first_token, None, result)
+        for member, token in zip(group, [first_token, *(t for _, t in forks)], strict=True):
+            self.sampler.skip_first_draw(member.seq_id, member.params, self.device)
+            self._accept_token(member, token, None, result)
         return seq, result
+
+    def _spawn(self, seq: Sequence, fork: Fork) -> Sequence:
+        """``fork`` starts as a running sequence sharing ``seq``'s prompt and its blocks."""
+        self._fork_parent.pop(fork.request_id, None)
+        child = Sequence(
+            prompt_token_ids=seq.prompt_token_ids,
+            params=fork.params,
+            request_id=fork.request_id,
+            arrival_time=seq.arrival_time,
+        )
+        child.block_table = self.block_manager.fork(seq.block_table)
+        child.num_computed_tokens = seq.num_computed_tokens
+        child.num_cached_tokens = seq.num_cached_tokens
+        child.num_registered_blocks = seq.num_registered_blocks
+        child.prompt_logprobs = seq.prompt_logprobs
+        child.status = SequenceStatus.RUNNING
+        self._requests[child.request_id] = child
+        self._prompts[child.request_id] = self._prompts[seq.request_id]
+        self.scheduler.running.append(child)
+        return child
+
+    @staticmethod
+    def _computed_prompt_logprobs(seq: Sequence) -> bool:
+        """Whether this engine computed ``seq``'s prompt logprobs (not a prefill worker)."""
+        return len(seq.prompt_logprobs) == seq.num_prompt_tokens
+
+    def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens that this chunk's positions predict (position p
+        predicts token p + 1); positions already recorded (a recompute) are skipped."""
+        start = seq.num_computed_tokens
+        end = min(start + hidden.shape[0], seq.num_prompt_tokens - 1)
+        k = seq.params.prompt_logprobs
+        for lo in range(max(start, len(seq.prompt_logprobs) - 1), end, PROMPT_LOGITS_ROWS):
+            hi = min(lo + PROMPT_LOGITS_ROWS, end)
+            logits = self.model.compute_logits(hidden[lo - start : hi - start])
+            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], device=logits.device)
+            seq.prompt_logprobs += token_logprobs(logits, targets, [k] * (hi - lo))
 
     def _accept_token(self, seq: Sequence, token: int, logprob, result: StepResult) -> None:
         seq.status = SequenceStatus.RUNNING
         self.sampler.accept(seq, token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+            if seq.params.prompt_logprobs is not None and self._computed_prompt_logprobs(seq):
+                result.prompt_logprobs[seq.request_id] = seq.prompt_logprobs
         self._append_token(seq, token, logprob)
         result.new_tokens.append((seq.request_id, token, logprob))
         if seq.is_finished:
@@ -366,5 +477,6 @@ class LLMEngine:
             finish_reason=seq.finish_reason or "abort",
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             metrics=metrics,
         )

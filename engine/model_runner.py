@@ -1,6 +1,6 @@
 """Runs one scheduled batch through the model: builds the flat inputs and the attention
 metadata from the sequences' block tables, runs the forward pass, returns the logits of the
-positions that sample a token."""
+positions that sample a token (and the hidden states of prompts that want their logprobs)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ class ModelRunner:
 
     def run(
         self, batch: ScheduledBatch, layer_done: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
         """Forward the batch. Returns (logits [n, V] fp32, indexes into batch.seqs of the n
-        sequences whose prompt or token is now fully computed and so sample a token)."""
+        sequences whose prompt or token is now fully computed and so sample a token, and for
+        each prompt chunk whose sequence asked for prompt logprobs, its index → its rows'
+        hidden states [count, H])."""
         input_ids, positions, meta, last_rows, sampling = self.prepare(batch)
         if self.graphs is not None and layer_done is None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -36,7 +38,16 @@ class ModelRunner:
         logits = (
             self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         )
-        return logits, sampling
+        prompt_hidden = {}
+        row = 0
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if (
+                seq.params.prompt_logprobs is not None
+                and seq.num_computed_tokens < seq.num_prompt_tokens
+            ):
+                prompt_hidden[i] = hidden[row : row + count]
+            row += count
+        return logits, sampling, prompt_hidden
 
     def prepare(self, batch: ScheduledBatch):
         """Flat model inputs for the batch: token ids, positions, attention metadata, the rows

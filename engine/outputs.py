@@ -17,6 +17,7 @@ class RequestOutput:
     finish_reason: str  # stop | length | abort
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # entry 0 (no context) is None
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s
 
     def to_dict(self) -> dict:
@@ -31,8 +32,13 @@ class RequestOutput:
             "metrics": self.metrics,
         }
         if self.logprobs is not None:
-            out["logprobs"] = [
-                {**lp.to_dict(), "top": {str(k): v for k, v in lp.top.items()}}  # JSON: str keys
-                for lp in self.logprobs
+            out["logprobs"] = [_json(lp) for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [
+                None if lp is None else _json(lp) for lp in self.prompt_logprobs
             ]
         return out
+
+
+def _json(lp: TokenLogprobs) -> dict:
+    return {**lp.to_dict(), "top": {str(k): v for k, v in lp.top.items()}}  # JSON: str keys

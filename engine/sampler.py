@@ -85,19 +85,11 @@ class Sampler:
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             index = torch.tensor(wanted, device=device)
-            log_probs = torch.log_softmax(logits[index], dim=-1)  # [w, V]
-            chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
-            k = max(params[i].logprobs for i in wanted)
-            top = torch.topk(log_probs, k) if k else None
-            top_ids = top.indices.tolist() if top is not None else []
-            top_values = top.values.tolist() if top is not None else []
-            for row, i in enumerate(wanted):
-                n = params[i].logprobs
-                logprobs[i] = TokenLogprobs(
-                    token_id=token_list[i],
-                    logprob=chosen[row],
-                    top=dict(zip(top_ids[row][:n], top_values[row][:n], strict=True)) if n else {},
-                )
+            entries = token_logprobs(
+                logits[index], tokens[index], [params[i].logprobs for i in wanted]
+            )
+            for i, entry in zip(wanted, entries, strict=True):
+                logprobs[i] = entry
         return token_list, logprobs
 
     def _exponential(
@@ -114,6 +106,29 @@ class Sampler:
                 generator = torch.Generator(device=device).manual_seed(self.seed)
                 self._default_generators[device.type] = generator
         return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
+    """logits [m, V] and the m tokens that followed them → each token's logprob and the
+    ``ks[i]`` most likely tokens' (of the unprocessed distribution)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
+    chosen = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(ks)
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    if k:
+        top = torch.topk(log_probs, k)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprobs(
+            token_id=token,
+            logprob=chosen[row],
+            top=dict(zip(top_ids[row][:n], top_values[row][:n], strict=True)) if n else {},
+        )
+        for row, (token, n) in enumerate(zip(tokens.tolist(), ks, strict=True))
+    ]
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -12,7 +12,9 @@ from engine.structured_output import GrammarSpec
 class SamplingParams:
     """temperature 0 means greedy. ``seed`` makes a sampled request reproducible on its own,
     whatever else is batched with it. ``logprobs=N`` returns the chosen token's logprob and
-    the N most likely tokens' at each step (from the model's unmodified distribution).
+    the N most likely tokens' at each step (from the model's unmodified distribution);
+    ``prompt_logprobs=N`` the same for every prompt token after the first (such a request
+    skips the prefix cache: a cached token's logits are never computed).
 
     Before sampling (engine/logits_processors.py): ``logit_bias`` ((token id, bias) pairs,
     added to the logits); ``presence_penalty`` and ``frequency_penalty`` (OpenAI's: minus
@@ -31,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -60,10 +63,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > self.MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be at most {self.MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > self.MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be at most {self.MAX_LOGPROBS}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop strings must be non-empty strings")

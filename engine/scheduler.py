@@ -4,13 +4,15 @@ Each step has a token budget. Running sequences decode first (one token each); t
 the budget goes to prompts, oldest first, a long prompt taking several steps (chunks). A
 sequence is admitted only when blocks for all its current tokens can be allocated (reusing
 cached prefix blocks). When a running sequence needs a block and none is free, the newest
-running sequence is preempted: its blocks are freed and it is recomputed later.
+running sequence is preempted: its blocks are freed and it is recomputed later. A sequence
+about to write into a block it shares with a fork gets its own copy first (the batch lists
+the copies; the engine makes them before the forward pass).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -20,6 +22,7 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens computed this step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
 
     @property
     def is_decode_only(self) -> bool:
@@ -52,11 +55,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        copies: list[tuple[int, int]] = []
         # 1. decode: one token for every running sequence, preempting the newest when full.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if not self._make_room_for_next_token(seq):
+            if not self._make_room_for_next_token(seq, copies):
                 continue  # seq itself was preempted and removed from running
             seqs.append(seq)
             counts.append(1)
@@ -65,10 +69,15 @@ class Scheduler:
         # 2. prefill: prompts (or prompt chunks) oldest first, within the remaining budget.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.running and len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
+                break  # its forks join the running sequences with it
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq.token_ids):
+                use_cache = seq.params.prompt_logprobs is None
+                if not self.block_manager.can_allocate(seq.token_ids, use_cache=use_cache):
                     break
-                seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
+                seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(
+                    seq.token_ids, use_cache=use_cache
+                )
                 seq.num_computed_tokens = seq.num_cached_tokens
             chunk = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
@@ -80,15 +89,25 @@ class Scheduler:
             self.running.append(seq)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, counts)
+        return ScheduledBatch(seqs, counts, copies)
 
-    def _make_room_for_next_token(self, seq: Sequence) -> bool:
-        while not self.block_manager.grow(seq.block_table, seq.num_tokens):
+    def _make_room_for_next_token(self, seq: Sequence, copies: list[tuple[int, int]]) -> bool:
+        """A block for the token ``seq`` writes this step, its own (copied if shared);
+        preempts the newest running sequences until there is one. False if ``seq`` itself
+        was preempted."""
+        bm = self.block_manager
+        while True:
+            if bm.grow(seq.block_table, seq.num_tokens):
+                index = seq.num_computed_tokens // bm.block_size
+                if not bm.is_shared(seq.block_table[index]):
+                    return True
+                if bm.num_free_blocks:
+                    copies.append(bm.copy_on_write(seq.block_table, index))
+                    return True
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
                 return False
-        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the head of the queue for recompute."""

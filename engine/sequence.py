@@ -26,6 +26,15 @@ class TokenLogprobs:
         return {"token_id": self.token_id, "logprob": self.logprob, "top": self.top}
 
 
+@dataclass(frozen=True)
+class Fork:
+    """Another sequence of a request's prompt (OpenAI's ``n``): it shares the prompt's KV
+    blocks and samples with its own params (its own seed) from the prompt's last logits."""
+
+    request_id: str
+    params: SamplingParams
+
+
 _ids = itertools.count()
 
 
@@ -44,6 +53,9 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # params.prompt_logprobs: entry i is prompt token i's (entry 0, with nothing before it, None)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    forks: tuple[Fork, ...] = ()  # spawned when the prompt is computed, before the first sample
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
