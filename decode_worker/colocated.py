@@ -5,8 +5,8 @@ against it; it speaks the same poll/cancel/stats API as the decode worker."""
 from __future__ import annotations
 
 from decode_worker.worker import EngineWorker
-from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.sequence import Fork
 from kv_transfer.errors import NoCapacityError
 
 
@@ -15,18 +15,24 @@ class ColocatedWorker(EngineWorker):
         super().__init__(options, name)
         self.loop.start()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; its tokens arrive through ``poll``."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        forks: tuple[Fork, ...] = (),
+    ) -> None:
+        """Queue a request (and ``forks``, sequences of the same prompt, prefilled with it);
+        their tokens arrive through ``poll``."""
         engine = self.engine
         with self.loop.lock:
-            if engine.has_request(request_id):
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            busy = len(engine.scheduler.running) + len(engine.scheduler.waiting)
-            if busy >= engine.config.max_num_seqs:
+            engine.validate_request(prompt_token_ids, params, forks)
+            busy = len(engine.request_ids())
+            if busy + 1 + len(forks) > engine.config.max_num_seqs:
                 raise NoCapacityError(
                     f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences"
                 )
-            engine.add_request(list(prompt_token_ids), params, request_id=request_id)
+            engine.add_request(list(prompt_token_ids), params, request_id, forks)
         self.loop.wake()
 
     def stats(self) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # with the first token, when asked
     finish_reason: str | None = None
     error: str | None = None
 
@@ -22,6 +23,7 @@ class Delta:
         return {
             "token_ids": self.token_ids,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "finish_reason": self.finish_reason,
             "error": self.error,
         }
@@ -43,6 +45,10 @@ class TokenOutbox:
                     delta.logprobs = []
                 delta.logprobs.append(logprob)
             self._ready.notify_all()
+
+    def prompt_logprobs(self, request_id: str, entries: list[dict | None]) -> None:
+        with self._ready:
+            self._pending.setdefault(request_id, Delta()).prompt_logprobs = entries
 
     def finish(self, request_id: str, reason: str, error: str | None = None) -> None:
         with self._ready:

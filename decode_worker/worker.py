@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ from decode_worker.outbox import TokenOutbox
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
+from engine.sequence import Fork
 from engine.serving_loop import ServingLoop
 from engine.worker_options import WorkerOptions
 from kv_transfer.errors import LeaseError, NoCapacityError
@@ -40,12 +41,16 @@ EXPIRE_INTERVAL_S = 0.25
 
 @dataclass
 class PendingRequest:
-    """Reserved and waiting for its KV."""
+    """Reserved and waiting for its KV: the prompt's sequences, the request then its forks
+    (OpenAI's ``n``), which decode from the one transfer."""
 
-    request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    members: list[Fork]  # not cancelled, in reservation order
     lease_id: str
+    slots: dict[str, int] = field(default_factory=dict)  # member → its first token's index
+
+    def __post_init__(self) -> None:
+        self.slots = {m.request_id: i for i, m in enumerate(self.members)}
 
 
 class EngineWorker:
@@ -64,6 +69,10 @@ class EngineWorker:
         self.started_at = time.time()
 
     def _publish(self, result: StepResult) -> None:
+        for request_id, entries in result.prompt_logprobs.items():
+            self.outbox.prompt_logprobs(
+                request_id, [None if e is None else e.to_dict() for e in entries]
+            )
         for request_id, token, lp in result.new_tokens:
             self.outbox.add(request_id, token, None if lp is None else lp.to_dict())
         for output in result.finished:
@@ -125,7 +134,8 @@ class DecodeWorker(EngineWorker):
         self._arrived: collections.deque[Lease] = collections.deque()  # transfers done
         super().__init__(options, name, intake=self._admit_arrived)
         kv = self.options.kv
-        self.pending: dict[str, PendingRequest] = {}
+        self.pending: dict[str, PendingRequest] = {}  # by its request id (its lease's)
+        self._member_of: dict[str, str] = {}  # a pending fork → its request id
         self._last_expire = 0.0
         self.leases = LeaseTable(
             self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._arrive
@@ -147,33 +157,59 @@ class DecodeWorker(EngineWorker):
     def info(self) -> dict:
         return {**super().info(), "kv_address": self.receiver.address}
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict:
-        """Lease blocks for the prompt's KV before its prefill starts.
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        forks: tuple[Fork, ...] = (),
+    ) -> dict:
+        """Lease blocks for the prompt's KV before its prefill starts; ``forks`` will decode
+        from the same blocks.
 
         Raises InvalidRequestError for a request this worker can never serve and
         NoCapacityError when it cannot take it now."""
         engine = self.engine
+        members = [Fork(request_id, params), *forks]
         with self.loop.lock:
-            engine.validate_request(prompt_token_ids, params)
-            if request_id in self.pending or engine.has_request(request_id):
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            busy = len(engine.scheduler.running) + len(engine.scheduler.waiting) + len(self.pending)
-            if busy >= engine.config.max_num_seqs:
+            engine.validate_request(prompt_token_ids, params, forks)
+            for member in members:
+                if self._is_pending(member.request_id) or engine.has_request(member.request_id):
+                    raise InvalidRequestError(f"request id {member.request_id!r} is already in use")
+            scheduler = engine.scheduler
+            busy = len(scheduler.running) + len(scheduler.waiting) + self._num_pending()
+            if busy + len(members) > engine.config.max_num_seqs:
                 raise NoCapacityError(
                     f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences"
                 )
-            # Keep a block of headroom per running sequence so admissions do not force
-            # immediate preemptions.
-            needed = engine.block_manager.blocks_needed(len(prompt_token_ids) + 1)
-            if needed + len(engine.scheduler.running) > engine.block_manager.num_free_blocks:
+            # Keep a block of headroom per running sequence (and fork) so admissions do not
+            # force immediate preemptions.
+            needed = engine.block_manager.blocks_needed(len(prompt_token_ids) + 1) + len(forks)
+            if needed + len(scheduler.running) > engine.block_manager.num_free_blocks:
                 raise NoCapacityError(
                     f"{self.name} has {engine.block_manager.num_free_blocks} free KV blocks"
                 )
             lease = self.leases.reserve(request_id, len(prompt_token_ids))
             self.pending[request_id] = PendingRequest(
-                request_id, list(prompt_token_ids), params, lease.lease_id
+                list(prompt_token_ids), members, lease.lease_id
             )
+            for fork in forks:
+                self._member_of[fork.request_id] = request_id
         return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
+
+    def _is_pending(self, request_id: str) -> bool:
+        return request_id in self.pending or request_id in self._member_of
+
+    def _num_pending(self) -> int:
+        return sum(len(p.members) for p in self.pending.values())
+
+    def _pop_pending(self, request_id: str) -> PendingRequest | None:
+        """Take a pending request (by its lease's request id) off the books, forks and all."""
+        pending = self.pending.pop(request_id, None)
+        for fork in list(self._member_of):
+            if self._member_of[fork] == request_id:
+                del self._member_of[fork]
+        return pending
 
     def _arrive(self, lease: Lease) -> None:
         """The KV receiver finished a transfer (on its thread): the blocks are now ours. They
@@ -189,24 +225,36 @@ class DecodeWorker(EngineWorker):
     def _admit(self, lease: Lease) -> None:
         if lease.ready_event is not None:  # CUDA: the engine's stream waits for the copies
             torch.cuda.current_stream(self.engine.device).wait_event(lease.ready_event)
-        pending = self.pending.pop(lease.request_id, None)
-        if pending is None:  # cancelled meanwhile: the blocks are ours to free
+        pending = self._pop_pending(lease.request_id)
+        if pending is None or not pending.members:  # cancelled meanwhile: free the blocks
             self.engine.block_manager.free(list(lease.block_ids))
             return
+        head, *forks = pending.members
         try:
+            tokens = [lease.first_token, *lease.fork_tokens]
+            if len(tokens) != len(pending.slots):
+                raise InvalidRequestError(
+                    f"the transfer brought {len(tokens)} first tokens for {len(pending.slots)} "
+                    "sequences"
+                )
             _, result = self.engine.admit_prefilled(
                 pending.prompt_token_ids,
-                pending.params,
-                pending.request_id,
+                head.params,
+                head.request_id,
                 list(lease.block_ids),
-                lease.first_token,
+                tokens[pending.slots[head.request_id]],
+                [(f, tokens[pending.slots[f.request_id]]) for f in forks],
             )
         except Exception as err:  # noqa: BLE001 - never strand the blocks or the stream
-            if self.engine.has_request(pending.request_id):
-                self.engine.abort(pending.request_id)  # frees its blocks
+            if self.engine.has_request(head.request_id):
+                for member in pending.members:
+                    self.engine.abort(member.request_id)  # frees the blocks
             else:
                 self.engine.block_manager.free(list(lease.block_ids))
-            self.outbox.finish(pending.request_id, "error", f"{self.name}: admission failed: {err}")
+            for member in pending.members:
+                self.outbox.finish(
+                    member.request_id, "error", f"{self.name}: admission failed: {err}"
+                )
             return
         self._publish(result)
 
@@ -222,18 +270,24 @@ class DecodeWorker(EngineWorker):
                 try:
                     self.leases.get(pending.lease_id)  # releases it if past its deadline
                 except LeaseError:
-                    del self.pending[request_id]
-                    self.outbox.finish(
-                        request_id,
-                        "error",
-                        f"{self.name}: KV transfer for {request_id} failed or timed out",
-                    )
+                    self._pop_pending(request_id)
+                    for member in pending.members:
+                        self.outbox.finish(
+                            member.request_id,
+                            "error",
+                            f"{self.name}: KV transfer for {request_id} failed or timed out",
+                        )
 
     def cancel(self, request_id: str) -> bool:
         with self.loop.lock:
-            pending = self.pending.pop(request_id, None)
-            if pending is not None:
-                self.leases.release(pending.lease_id, "cancelled")
+            owner = self._member_of.get(request_id, request_id)
+            pending = self.pending.get(owner)
+            if pending is not None and any(m.request_id == request_id for m in pending.members):
+                pending.members = [m for m in pending.members if m.request_id != request_id]
+                self._member_of.pop(request_id, None)
+                if not pending.members:  # nobody left to decode the transfer
+                    self._pop_pending(owner)
+                    self.leases.release(pending.lease_id, "cancelled")
                 self.outbox.finish(request_id, "abort")
                 return True
         return super().cancel(request_id)
@@ -242,6 +296,7 @@ class DecodeWorker(EngineWorker):
         stats = self.engine_stats()
         with self.loop.lock:
             stats["pending_transfers"] = len(self.pending)
+            stats["pending_sequences"] = self._num_pending()
             stats["leases"] = self.leases.active()
         stats.update({f"kv_{k}": v for k, v in dataclasses.asdict(self.receiver.stats).items()})
         return stats

@@ -11,7 +11,9 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    ``LAYOUT``), followed for fp8 by the K then V scales ``[block_count, num_kv_heads]``
    float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
    groups come in order and without gaps;
-3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``.
+3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``, and
+   ``"fork_tokens"`` (the first tokens of the prompt's other sequences, OpenAI's ``n``) when
+   there are forks.
 
 Every frame carries ``crc32 = zlib.crc32(meta + payload)``. Decoding validates types and
 ranges of the metadata strictly (never trusts the peer) and raises :class:`FrameError`;
@@ -91,6 +93,7 @@ class KVFrame:
 class EndFrame:
     first_token: int
     num_kv_frames: int
+    fork_tokens: tuple[int, ...] = ()
 
 
 Frame = Handshake | KVFrame | EndFrame
@@ -136,8 +139,13 @@ def encode_kv_parts(
     return packed, parts, checksum_parts(packed, parts)
 
 
-def encode_end(first_token: int, num_kv_frames: int) -> tuple[bytes, bytes, int]:
-    return encode_frame({"type": END, "first_token": first_token, "num_kv_frames": num_kv_frames})
+def encode_end(
+    first_token: int, num_kv_frames: int, fork_tokens: Sequence[int] = ()
+) -> tuple[bytes, bytes, int]:
+    meta = {"type": END, "first_token": first_token, "num_kv_frames": num_kv_frames}
+    if fork_tokens:
+        meta["fork_tokens"] = list(fork_tokens)
+    return encode_frame(meta)
 
 
 def normalise_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -347,9 +355,15 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             data_channel=_bool(fields, "data_channel"),
         )
     if kind == END:
+        forks = fields.get("fork_tokens", [])
+        if not isinstance(forks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in forks
+        ):
+            raise FrameError("end frame field 'fork_tokens' must be a list of token ids")
         return EndFrame(
             first_token=_int(fields, "first_token"),
             num_kv_frames=_int(fields, "num_kv_frames"),
+            fork_tokens=tuple(forks),
         )
     raise FrameError(f"unknown frame type {kind!r}")
 

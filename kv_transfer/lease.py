@@ -56,6 +56,7 @@ class Lease:
     deadline: float  # clock() time after which an unfinished lease is released
     state: str = RESERVED  # reserved | receiving | complete | released
     first_token: int | None = None
+    fork_tokens: tuple[int, ...] = ()  # the first tokens of the prompt's forks, if any
     release_reason: str | None = field(default=None, repr=False)
     writers: int = field(default=0, repr=False)  # copies into the blocks in flight
     # CUDA: recorded on the receiver's copy stream after the last copy; whoever takes the
@@ -196,7 +197,7 @@ class LeaseTable:
                 with self.engine_lock:
                     self.block_manager.free(list(lease.block_ids))
 
-    def complete(self, lease: Lease, first_token: int) -> Lease:
+    def complete(self, lease: Lease, first_token: int, fork_tokens: tuple[int, ...] = ()) -> Lease:
         """receiving → complete: the table stops owning the blocks; ``on_complete(lease)``
         (called without any lock held) takes them over, e.g. to start decoding."""
         with self._state:
@@ -205,6 +206,7 @@ class LeaseTable:
                 del self._leases[lease.lease_id]
                 lease.state = COMPLETE
                 lease.first_token = first_token
+                lease.fork_tokens = tuple(fork_tokens)
                 self._remember(lease)
         if problem is not None:
             self._refuse(lease, problem)

@@ -552,7 +552,7 @@ class _Transfer:
                 if copies is not None:
                     lease.ready_event = torch.cuda.Event()
                     lease.ready_event.record(copies)
-                leases.complete(lease, frame.first_token)
+                leases.complete(lease, frame.first_token, frame.fork_tokens)
                 self.completed = True
                 return
             if not isinstance(frame, frames.KVFrame):

@@ -26,6 +26,7 @@ import queue
 import socket
 import ssl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -242,10 +243,11 @@ class TransferStream:
             self.payload_bytes += sum(p.nbytes for p in parts)
             self._num_kv_frames += 1
 
-    def finish(self, first_token: int) -> TransferResult:
-        """Send the final frame and wait for the receiver's answer. Raises KVTransferError
-        with the receiver's status code and message if it refused the transfer."""
-        self._put((_CONTROL, frames.encode_end(first_token, self._num_kv_frames)))
+    def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
+        """Send the final frame (the first token, and the forks' first tokens) and wait for
+        the receiver's answer. Raises KVTransferError with the receiver's status code and
+        message if it refused the transfer."""
+        self._put((_CONTROL, frames.encode_end(first_token, self._num_kv_frames, fork_tokens)))
         self._end_iterator()
         try:
             self._future.result(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0)

@@ -3,7 +3,8 @@ layer, into the blocks a decode worker reserved for them; returns the first toke
 
 Prompts waiting here are batched up to the engine's token budget and long ones are chunked
 (the engine's scheduler); prompts sharing a prefix reuse its cached blocks (prefix cache),
-so a repeated system prompt is not recomputed. Each request samples exactly one token here.
+so a repeated system prompt is not recomputed. Each request samples exactly one token here,
+and so does each of its forks (OpenAI's ``n``: one prefill, one transfer, n first tokens).
 While a chunk of a prompt runs, every finished layer's newly complete blocks (the first
 chunk also ships the cached prefix; the last, the partial tail block) are handed to the KV
 sender, which ships them while later layers and later chunks compute.
@@ -23,6 +24,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Fork
 from engine.serving_loop import ServingLoop
 from engine.worker_options import WorkerOptions
 from kv_transfer.sender import KVSender, TransferStream
@@ -38,9 +40,12 @@ class PrefillError(Exception):
 class PrefillJob:
     request_id: str
     stream: TransferStream
+    members: list[str]  # the request's id, then its forks'
     done: threading.Event = field(default_factory=threading.Event)
-    first_token: int | None = None
-    logprob: dict | None = None
+    first_tokens: dict[str, int] = field(default_factory=dict)  # member → its first token
+    logprobs: dict[str, dict] = field(default_factory=dict)  # member → its first token's
+    prompt_logprobs: list[dict | None] | None = None
+    unfinished: set[str] = field(default_factory=set)
     num_cached_tokens: int = 0
     blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
     error: str | None = None
@@ -91,14 +96,17 @@ class PrefillWorker:
         kv_address: str,
         lease_id: str,
         timeout_s: float = 600.0,
+        forks: tuple[Fork, ...] = (),
     ) -> dict:
         """Prefill one prompt, stream its KV to ``kv_address`` under ``lease_id``, return the
-        first token. Blocks the calling thread (the actor runs calls concurrently); raises
-        PrefillError on failure (the receiver then frees the lease's blocks)."""
+        first token (and each fork's: ``fork_tokens``). Blocks the calling thread (the actor
+        runs calls concurrently); raises PrefillError on failure (the receiver then frees
+        the lease's blocks)."""
         engine = self.engine
-        first_token_params = dataclasses.replace(
-            params, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=()
+        one_token = lambda p: dataclasses.replace(
+            p, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=()
         )
+        first_forks = [Fork(f.request_id, one_token(f.params)) for f in forks]
         stream = self._sender(kv_address).open(
             request_id,
             lease_id,
@@ -109,16 +117,18 @@ class PrefillWorker:
             self.options.kv.wire_dtype,
             engine.cache.dtype,
         )
-        job = PrefillJob(request_id, stream)
+        members = [request_id, *(f.request_id for f in forks)]
+        job = PrefillJob(request_id, stream, members, unfinished=set(members))
         with self.loop.lock:
             try:
                 seq = engine.add_request(
-                    list(prompt_token_ids), first_token_params, request_id=request_id
+                    list(prompt_token_ids), one_token(params), request_id, first_forks
                 )
             except EngineError as err:
                 stream.abort(str(err))
                 raise PrefillError(f"{self.name}: {err}") from None
-            self.jobs[request_id] = job
+            for member in members:
+                self.jobs[member] = job
         self.loop.wake()
         if not job.done.wait(timeout_s):
             self.cancel(request_id)
@@ -131,7 +141,9 @@ class PrefillWorker:
             raise PrefillError(job.error)
         transfer_start = time.monotonic()
         try:
-            transfer = stream.finish(job.first_token)
+            transfer = stream.finish(
+                job.first_tokens[request_id], [job.first_tokens[m] for m in members[1:]]
+            )
         except Exception as err:  # the receiver's status, or a broken channel
             self.failed += 1
             raise PrefillError(f"{self.name}: KV transfer of {request_id} failed: {err}") from None
@@ -141,8 +153,11 @@ class PrefillWorker:
         scheduled = job.scheduled or job.started
         computed = job.computed or transfer_start
         return {
-            "first_token": job.first_token,
-            "logprob": job.logprob,
+            "first_token": job.first_tokens[request_id],
+            "logprob": job.logprobs.get(request_id),
+            "fork_tokens": [job.first_tokens[m] for m in members[1:]],
+            "fork_logprobs": [job.logprobs.get(m) for m in members[1:]],
+            "prompt_logprobs": job.prompt_logprobs,
             "num_cached_tokens": seq.num_cached_tokens,
             "prefill_s": finished - job.started,
             # where the worker's time went (router/timeline.py)
@@ -155,11 +170,14 @@ class PrefillWorker:
         }
 
     def cancel(self, request_id: str) -> bool:
+        """Cancel a prefill (the whole of it: the request and its forks)."""
         with self.loop.lock:
-            job = self.jobs.pop(request_id, None)
+            job = self.jobs.get(request_id)
             if job is None:
                 return False
-            self.engine.abort(request_id)
+            for member in reversed(job.members):  # forks first: nothing is handed on
+                self.jobs.pop(member, None)
+                self.engine.abort(member)
         job.stream.abort("cancelled")
         job.error = f"{self.name}: {request_id} was cancelled"
         job.done.set()
@@ -168,7 +186,9 @@ class PrefillWorker:
     def stats(self) -> dict:
         with self.loop.lock:
             load = self.engine.load()
-            running = len(self.jobs)  # prompts in flight here, transfer included
+            running = len(
+                {id(job) for job in self.jobs.values()}
+            )  # prompts in flight, transfer included
         return {
             "name": self.name,
             **load,
@@ -251,12 +271,19 @@ class PrefillWorker:
         for request_id, token, lp in result.new_tokens:
             job = self.jobs.get(request_id)
             if job is not None:
-                job.first_token = token
+                job.first_tokens[request_id] = token
                 if lp is not None:
-                    job.logprob = lp.to_dict()
+                    job.logprobs[request_id] = lp.to_dict()
+        for request_id, entries in result.prompt_logprobs.items():
+            job = self.jobs.get(request_id)
+            if job is not None and job.prompt_logprobs is None:
+                job.prompt_logprobs = [None if e is None else e.to_dict() for e in entries]
         for output in result.finished:
             job = self.jobs.pop(output.request_id, None)
-            if job is not None:
+            if job is None:
+                continue
+            job.unfinished.discard(output.request_id)
+            if not job.unfinished:
                 job.num_cached_tokens = output.num_cached_tokens
                 job.computed = time.monotonic()
                 job.done.set()

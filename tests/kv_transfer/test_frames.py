@@ -33,6 +33,8 @@ def test_round_trip_of_each_frame_type():
     kv = frames.decode_frame(*frames.encode_kv(2, 4, 3, b"abc"))
     assert kv == frames.KVFrame(2, 4, 3, b"abc")
     assert frames.decode_frame(*frames.encode_end(17, 9)) == frames.EndFrame(17, 9)
+    forked = frames.decode_frame(*frames.encode_end(17, 9, [4, 5]))
+    assert forked == frames.EndFrame(17, 9, (4, 5))
 
 
 def test_checksum_covers_meta_and_payload():
@@ -51,6 +53,8 @@ def test_checksum_covers_meta_and_payload():
         {"type": "kv", "layer": 0, "block_start": 0, "block_count": 0},
         {"type": "kv", "layer": "0", "block_start": 0, "block_count": 1},
         {"type": "end"},
+        {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": [1, -2]},
+        {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": 3},
         {"type": "nope"},
         [1, 2],
     ],
