@@ -40,6 +40,8 @@ class TokenDelta:
     error: str | None = None  # set (with finish_reason "error") if the request failed
     # On the last delta: seconds per stage of the first token's way (router.timeline)
     timings: dict[str, float] | None = None
+    # With the first token, when params.prompt_logprobs is set: entry i is prompt token i's
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class BackendError(Exception):
@@ -84,6 +86,12 @@ class Backend(abc.ABC):
         iterates it being cancelled when the client disconnects) must cancel the request on
         every worker and free its KV cache.
         """
+
+    def generate_forks(self, requests: list[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
+        """Streams of several sequences of one prompt (OpenAI's ``n``; the requests differ
+        only in id and sampling params), each as ``generate``'s. A backend may prefill the
+        prompt once for all; this one runs them as separate requests."""
+        return [self.generate(request) for request in requests]
 
     @abc.abstractmethod
     async def health(self) -> dict[str, Any]:

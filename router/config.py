@@ -21,6 +21,7 @@ class RouterConfig:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_prompts_per_request: int = 64  # /v1/completions with a list of prompts
+    max_n: int = 16  # choices per prompt (OpenAI's n)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -41,8 +42,8 @@ class RouterConfig:
             raise ValueError("max_tokens_limit must be positive")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
-        if self.max_prompts_per_request < 1:
-            raise ValueError("max_prompts_per_request must be at least 1")
+        if self.max_prompts_per_request < 1 or self.max_n < 1:
+            raise ValueError("max_prompts_per_request and max_n must be at least 1")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
 

@@ -18,7 +18,14 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.structured_output import GrammarSpec
-from router.backend import Backend, GenerateRequest, NoReplica, Overloaded, RequestRejected
+from router.backend import (
+    Backend,
+    GenerateRequest,
+    NoReplica,
+    Overloaded,
+    RequestRejected,
+    TokenDelta,
+)
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.metrics import RouterMetrics
@@ -94,6 +101,7 @@ def sampling_params(
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     min_tokens: int = 0,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
@@ -145,6 +153,7 @@ def sampling_params(
             stop_token_ids=tuple(stop_token_ids or ()),
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=min(min_tokens, room),  # a long min_tokens still ends at the context
             presence_penalty=presence_penalty or 0.0,
             frequency_penalty=frequency_penalty or 0.0,
@@ -184,6 +193,7 @@ class TextDelta:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     timings: dict[str, float] | None = None  # on the last delta (router.timeline)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first, when asked
 
 
 @dataclass
@@ -198,8 +208,10 @@ async def generate_text(
     metrics: RouterMetrics,
     api: str,
     stats: GenerationStats | None = None,
+    stream: AsyncIterator[TokenDelta] | None = None,
 ) -> AsyncIterator[TextDelta]:
-    """Run ``request`` on the backend; yield text deltas, the last with a finish_reason.
+    """Run ``request`` on the backend (``stream``: its token stream, when made already, e.g.
+    by ``generate_forks``); yield text deltas, the last with a finish_reason.
 
     Backend errors before the first delta become :class:`APIError` (429 with Retry-After,
     503, 400); a request that fails later raises APIError(500) where it fails. Closing this generator, or cancelling
@@ -211,7 +223,7 @@ async def generate_text(
         backend.tokenizer, params.stop, prompt_token_ids=request.prompt_token_ids
     )
     stats = stats or GenerationStats(len(request.prompt_token_ids))
-    stream = backend.generate(request)
+    stream = stream if stream is not None else backend.generate(request)
     status = "cancelled"  # unless we get to the end
     first = last = None
     metrics.in_flight.inc()
@@ -236,7 +248,14 @@ async def generate_text(
                     status = "ok" if finish in ("stop", "length") else "aborted"
                 if delta.timings:
                     metrics.observe_stages(delta.timings)
-                yield TextDelta(text, list(delta.token_ids), delta.logprobs, finish, delta.timings)
+                yield TextDelta(
+                    text,
+                    list(delta.token_ids),
+                    delta.logprobs,
+                    finish,
+                    delta.timings,
+                    delta.prompt_logprobs,
+                )
                 if finish is not None:
                     return
             status = "error"

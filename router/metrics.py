@@ -20,7 +20,8 @@ Series (the planner in cluster/ reads these names):
 - From ``Backend.stats()`` at scrape time: ``pdcluster_queue_tokens{actor}``,
   ``pdcluster_running_requests{actor}``, ``pdcluster_kv_usage{actor}`` (fraction),
   ``pdcluster_decode_slot_limit{actor}`` (SLO-aware admission's limit per decode actor),
-  ``pdcluster_kv_transfer_bytes_total``, ``pdcluster_kv_transfer_seconds_total``, and any
+  ``pdcluster_kv_transfer_bytes_total``, ``pdcluster_kv_transfer_seconds_total``,
+  ``pdcluster_kv_transfers_total``, ``pdcluster_prefills_total``, and any
   other numeric key as ``pdcluster_backend_<key>`` (e.g. ``router_waiting``).
 """
 
@@ -176,6 +177,8 @@ class _BackendStatsCollector(Collector):
         counters = (
             ("transfer_bytes_total", "pdcluster_kv_transfer_bytes", "KV bytes moved"),
             ("transfer_seconds_total", "pdcluster_kv_transfer_seconds", "Time moving KV"),
+            ("transfers_total", "pdcluster_kv_transfers", "KV transfers completed"),
+            ("prefills_total", "pdcluster_prefills", "Prefills completed (one per prompt, any n)"),
         )
         for key, name, doc in counters:
             if key in stats:

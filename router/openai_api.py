@@ -12,6 +12,7 @@ that disconnects cancels its request: the backend's generator is closed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import secrets
 import time
@@ -75,8 +76,8 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
-        if req.n != 1:
-            raise bad_request("only n=1 is supported", "n")
+        if not 1 <= req.n <= self.config.max_n:
+            raise bad_request(f"n must be in [1, {self.config.max_n}], got {req.n}", "n")
         if req.stream_options is not None and not req.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -89,12 +90,6 @@ class OpenAIServer:
         except ValidationError as err:
             raise validation_error(err) from None
         self._check_common(req)
-        if req.echo and req.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs needs the prompt's logprobs, which this server does not "
-                "compute: ask for one or the other",
-                "echo",
-            )
         grammar = grammar_of(req)
         prompts = prompt_list(req.prompt, self.config.max_prompts_per_request)
         many = len(prompts) > 1
@@ -102,15 +97,24 @@ class OpenAIServer:
             tokenize_prompt(self.backend, p, f"prompt[{i}]" if many else "prompt")
             for i, p in enumerate(prompts)
         ]
+        # echo with logprobs: the prompt's too (computed during its prefill)
+        prompt_logprobs = req.logprobs if req.echo else None
         params = [
             self._params(
-                req, one, req.max_tokens, self.config.default_max_tokens, req.logprobs, grammar
+                req,
+                one,
+                req.max_tokens,
+                self.config.default_max_tokens,
+                req.logprobs,
+                grammar,
+                prompt_logprobs=prompt_logprobs,
             )
             for one in ids
         ]
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.backend.tokenizer.decode(p) for p in prompts]
+            echo = [text for text in echo for _ in range(req.n)]  # one per choice
         return self._prepared(
             "completion",
             "cmpl",
@@ -167,7 +171,17 @@ class OpenAIServer:
             tools=use,
         )
 
-    def _params(self, req, ids, max_tokens, default, logprobs, grammar, param="max_tokens"):
+    def _params(
+        self,
+        req,
+        ids,
+        max_tokens,
+        default,
+        logprobs,
+        grammar,
+        param="max_tokens",
+        prompt_logprobs=None,
+    ):
         return sampling_params(
             self.backend,
             self.config,
@@ -182,6 +196,7 @@ class OpenAIServer:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=req.min_tokens,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
@@ -211,10 +226,18 @@ class OpenAIServer:
         self, kind, prefix, req, ids, params, arrival, logprobs, echo=None, grammar=None, tools=None
     ):
         request_id = new_request_id(prefix)
+        many = len(ids) * req.n > 1
         requests = [
-            # A list of prompts: each its own request in the cluster, "<id>-<index>".
-            GenerateRequest(request_id if len(ids) == 1 else f"{request_id}-{i}", one, p, arrival)
-            for i, (one, p) in enumerate(zip(ids, params, strict=True))
+            # Each choice is its own request in the cluster, "<id>-<choice index>"; the n
+            # choices of a prompt are consecutive and, seeded, draw with seed + i.
+            GenerateRequest(
+                f"{request_id}-{index * req.n + i}" if many else request_id,
+                one,
+                p if p.seed is None else dataclasses.replace(p, seed=p.seed + i),
+                arrival,
+            )
+            for index, (one, p) in enumerate(zip(ids, params, strict=True))
+            for i in range(req.n)
         ]
         for request in requests:
             if req.user is not None:
@@ -223,6 +246,7 @@ class OpenAIServer:
             kind=kind,
             request_id=request_id,
             requests=requests,
+            n=req.n,
             model=self.model_name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -237,7 +261,18 @@ class OpenAIServer:
     # ---- running ---------------------------------------------------------------------
     async def respond(self, http: Request, prep: Prepared) -> Response:
         api = "completions" if prep.kind == "completion" else "chat"
-        streams = [generate_text(self.backend, r, self.metrics, api) for r in prep.requests]
+        streams = []
+        for first in range(0, len(prep.requests), prep.n):  # the n choices of each prompt
+            choices = prep.requests[first : first + prep.n]
+            tokens = (
+                self.backend.generate_forks(choices)
+                if len(choices) > 1
+                else [self.backend.generate(choices[0])]
+            )
+            streams += [
+                generate_text(self.backend, r, self.metrics, api, stream=t)
+                for r, t in zip(choices, tokens, strict=True)
+            ]
         try:
             if prep.stream:
                 # Every choice's first delta is awaited here, so that a backend refusal
@@ -261,24 +296,21 @@ class OpenAIServer:
 
     async def _events(self, prep: Prepared, firsts: list[TextDelta], streams):
         """Each choice streams in turn: the others' requests run meanwhile, their tokens
-        waiting in the backend until their turn. With tools, an answer is sent whole at its
-        end: only then is it known to be a call or text."""
+        waiting in the backend until their turn. With tools, a choice's text goes through
+        its own tool-call reader, which holds back what may still be a call."""
         num_tokens = 0
         try:
-            if prep.tools is not None:
-                deltas = [firsts[0]]
-                while not deltas[-1].finish_reason:
-                    deltas.append(await streams[0].__anext__())
-                num_tokens = sum(len(d.token_ids) for d in deltas)
-                for chunk in self.format.tool_chunks(prep, deltas):
-                    yield sse(chunk)
-            else:
-                for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
-                    delta: TextDelta | None = first
-                    while delta is not None:
-                        num_tokens += len(delta.token_ids)
+            for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
+                tools = self.format.tool_stream(prep, index) if prep.tools is not None else None
+                delta: TextDelta | None = first
+                while delta is not None:
+                    num_tokens += len(delta.token_ids)
+                    if tools is None:
                         yield sse(self.format.chunk(prep, index, delta, is_first=delta is first))
-                        delta = None if delta.finish_reason else await stream.__anext__()
+                    else:
+                        for chunk in tools.add(delta):
+                            yield sse(chunk)
+                    delta = None if delta.finish_reason else await stream.__anext__()
             if prep.include_usage:
                 yield sse(self.format.usage_chunk(prep, num_tokens))
             yield "data: [DONE]\n\n"

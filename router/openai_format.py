@@ -12,7 +12,8 @@ from typing import Any, Literal
 from engine.sequence import TokenLogprobs
 from router.backend import GenerateRequest
 from router.generation import TextDelta, logprob_entries
-from router.tool_calls import ToolUse, parse_tool_calls
+from router.tool_call_stream import ToolCallStream, tool_answer
+from router.tool_calls import ToolUse
 
 
 @dataclass
@@ -22,13 +23,14 @@ class Prepared:
 
     kind: Literal["completion", "chat"]
     request_id: str
-    requests: list[GenerateRequest]
+    requests: list[GenerateRequest]  # n consecutive choices per prompt
     model: str
     stream: bool
     include_usage: bool
     return_token_ids: bool
     logprobs: bool
     return_timings: bool = False
+    n: int = 1
     echo: list[str] | None = None  # completions with echo: each choice's prompt text
     grammar_param: str | None = None  # the field that asked for a grammar, if one did
     tools: ToolUse | None = None  # chat with tools: the answer may be calls
@@ -69,6 +71,7 @@ class ResponseFormat:
                 delta.finish_reason,
                 True,
                 is_first,
+                delta.prompt_logprobs if is_first else None,
             )
         ]
         if prep.include_usage:
@@ -79,26 +82,9 @@ class ResponseFormat:
             out["timings_ms"] = _milliseconds(delta.timings)
         return out
 
-    def tool_chunks(self, prep: Prepared, deltas: list[TextDelta]) -> list[dict[str, Any]]:
-        """A whole chat answer with tools offered, as stream chunks: its calls (each with its
-        arguments in one piece) or its text, then the finish."""
-        whole = self.full_response(prep, [deltas])
-        choice = whole["choices"][0]
-        message = choice["message"]
-        delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-        chunks = []
-        for part, finish in ((delta, None), ({}, choice["finish_reason"])):
-            out = self.envelope(prep, chunk=True)
-            entry = {"index": 0, "delta": part, "logprobs": None, "finish_reason": finish}
-            if finish is None and prep.logprobs:
-                entry["logprobs"] = choice["logprobs"]
-            out["choices"] = [entry]
-            if prep.include_usage:
-                out["usage"] = None
-            chunks.append(out)
-        return chunks
+    def tool_stream(self, prep: Prepared, index: int) -> ToolChunks:
+        """Choice ``index`` of a streamed chat answer with tools offered, as chunks."""
+        return ToolChunks(self, prep, index)
 
     def usage_chunk(self, prep: Prepared, completion_tokens: int) -> dict[str, Any]:
         chunk = self.envelope(prep, chunk=True)
@@ -126,12 +112,13 @@ class ResponseFormat:
                     deltas[-1].finish_reason,
                     False,
                     False,
+                    deltas[0].prompt_logprobs,
                 )
             )
             timings = timings or next((d.timings for d in deltas if d.timings), None)
         out["usage"] = self.usage(prep, num_tokens)
         if prep.return_token_ids:
-            ids = [r.prompt_token_ids for r in prep.requests]
+            ids = [r.prompt_token_ids for r in prep.requests[:: prep.n]]
             out["prompt_token_ids"] = ids[0] if len(ids) == 1 else ids
         if prep.return_timings and timings:
             out["timings_ms"] = _milliseconds(timings)
@@ -139,14 +126,16 @@ class ResponseFormat:
 
     @staticmethod
     def usage(prep: Prepared, completion_tokens: int) -> dict[str, int]:
-        prompt = sum(len(r.prompt_token_ids) for r in prep.requests)
+        prompt = sum(len(r.prompt_token_ids) for r in prep.requests[:: prep.n])  # once per prompt
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
         }
 
-    def _choice(self, prep, index, text, token_ids, logprobs, finish, chunk, is_first):
+    def _choice(
+        self, prep, index, text, token_ids, logprobs, finish, chunk, is_first, prompt_logprobs=None
+    ):
         if prep.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": text}
         elif chunk:
@@ -154,19 +143,26 @@ class ResponseFormat:
             choice = {"index": index, "delta": delta}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = parse_tool_calls(text, prep.tools) if prep.tools is not None else None
-            if calls:
-                message = {"role": "assistant", "content": None, "tool_calls": calls}
-                finish = "tool_calls" if finish == "stop" else finish
+            if prep.tools is not None:
+                content, calls = tool_answer(text, prep.tools)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = _finish(finish, called=True)
             choice = {"index": index, "message": message}
-        choice["logprobs"] = self._logprobs(prep, index, logprobs) if prep.logprobs else None
+        choice["logprobs"] = (
+            self._logprobs(prep, index, logprobs, prompt_logprobs) if prep.logprobs else None
+        )
         choice["finish_reason"] = finish
         if prep.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
 
     def _logprobs(
-        self, prep: Prepared, index: int, logprobs: list[TokenLogprobs] | None
+        self,
+        prep: Prepared,
+        index: int,
+        logprobs: list[TokenLogprobs] | None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> dict[str, Any]:
         entries = logprob_entries(self.tokenizer, logprobs or [])
         if prep.kind == "chat":
@@ -184,16 +180,99 @@ class ResponseFormat:
                     for tok, lp, top in entries
                 ]
             }
-        offsets = []
-        for tok, _, _ in entries:
-            offsets.append(prep.text_offsets[index])
-            prep.text_offsets[index] += len(tok)
-        return {
-            "tokens": [tok for tok, _, _ in entries],
-            "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries],
-            "text_offset": offsets,
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
         }
+        if prompt_logprobs:  # echo: the prompt's tokens first, the first without context
+            prompt_ids = prep.requests[index].prompt_token_ids
+            offset = 0
+            for token_id, entry in zip(prompt_ids, prompt_logprobs, strict=True):
+                if entry is None:
+                    tok, lp, top = (
+                        self.tokenizer.decode([token_id], skip_special_tokens=False),
+                        None,
+                        None,
+                    )
+                else:
+                    ((tok, lp, pairs),) = logprob_entries(self.tokenizer, [entry])
+                    top = dict(pairs)
+                self._append_logprob(out, tok, lp, top, offset)
+                offset += len(tok)
+        for tok, lp, top in entries:
+            self._append_logprob(out, tok, lp, dict(top), prep.text_offsets[index])
+            prep.text_offsets[index] += len(tok)
+        return out
+
+    @staticmethod
+    def _append_logprob(out: dict[str, list], tok: str, lp, top, offset: int) -> None:
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+
+
+class ToolChunks:
+    """Choice ``index`` of a streamed chat answer with tools offered: ``add`` each delta and
+    send the chunks it returns, one per piece its ToolCallStream releases (content, or a
+    call's first piece, or argument text), then, at the finish, one with the finish reason.
+
+    Token ids and logprobs ride on the first chunk sent after their tokens arrived, content
+    or call alike (the finish chunk carries any left): each is sent once, in order, and
+    together they are the non-streamed choice's."""
+
+    def __init__(self, fmt: ResponseFormat, prep: Prepared, index: int) -> None:
+        assert prep.tools is not None
+        self._format, self._prep, self._index = fmt, prep, index
+        self._parser = ToolCallStream(prep.tools)
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._first = True
+
+    def add(self, delta: TextDelta) -> list[dict[str, Any]]:
+        self._token_ids += delta.token_ids
+        self._logprobs += delta.logprobs or []
+        parts = self._parser.feed(delta.text)
+        if delta.finish_reason is None:
+            return [self._chunk(part) for part in parts]
+        parts += self._parser.finish()
+        finish = _finish(delta.finish_reason, called=self._parser.num_calls > 0)
+        return [self._chunk(part) for part in parts] + [self._chunk({}, finish, delta.timings)]
+
+    def _chunk(
+        self,
+        part: dict[str, Any],
+        finish: str | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
+        prep = self._prep
+        out = self._format.envelope(prep, chunk=True)
+        choice: dict[str, Any] = {
+            "index": self._index,
+            "delta": {"role": "assistant", **part} if self._first else part,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if prep.logprobs:
+            choice["logprobs"] = self._format._logprobs(prep, self._index, self._logprobs)
+        if prep.return_token_ids:
+            choice["token_ids"] = self._token_ids
+        out["choices"] = [choice]
+        if prep.include_usage:
+            out["usage"] = None
+        if prep.return_token_ids and self._first:
+            out["prompt_token_ids"] = prep.requests[self._index].prompt_token_ids
+        if prep.return_timings and timings:
+            out["timings_ms"] = _milliseconds(timings)
+        self._token_ids, self._logprobs, self._first = [], [], False
+        return out
+
+
+def _finish(finish: str | None, called: bool) -> str | None:
+    """The finish reason of an answer: "tool_calls" for one that made calls and stopped."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:

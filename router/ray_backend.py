@@ -42,7 +42,7 @@ import ray
 
 from engine.block_manager import kv_cache_misfit
 from engine.errors import InvalidRequestError
-from engine.sequence import TokenLogprobs
+from engine.sequence import Fork, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from kv_transfer.errors import NoCapacityError
 from router.admission import (
@@ -100,8 +100,42 @@ def _message(err: BaseException) -> str:
     return text.splitlines()[-1] if text else type(err).__name__
 
 
+def _first_logprob(result: dict, index: int) -> dict | None:
+    """The first token's logprob of a prefill result's ``index``-th sequence."""
+    if index == 0:
+        return result.get("logprob")
+    return (result.get("fork_logprobs") or [None] * index)[index - 1]
+
+
+def _prompt_logprobs(items: list[dict | None] | None) -> list[TokenLogprobs | None] | None:
+    if items is None:
+        return None
+    return [None if d is None else _logprobs([d])[0] for d in items]
+
+
 class _Retry(Exception):
     """This attempt failed in a way another attempt can fix."""
+
+
+class _AttemptStart:
+    """Where an attempt's sequences begin: one decode reservation and one prefill. Shared by
+    the sequences of one prompt (OpenAI's n) on their first attempt; of one sequence
+    otherwise. ``task`` (reserve, then start the prefill) runs once, for whichever sequence
+    asks first; the last sequence to leave cancels what is still running."""
+
+    def __init__(
+        self, requests: list[GenerateRequest], worker_rids: list[str], admitted: bool
+    ) -> None:
+        self.requests = requests
+        self.worker_rids = worker_rids
+        self.admitted = admitted  # a retry or migration: SLO admission does not refuse it
+        self.timeline = RequestTimeline(requests[0].arrival_time)
+        self.task: asyncio.Task | None = None  # → the decode replica
+        self.prefill_task: asyncio.Task | None = None
+        self.prefill_name: str | None = None
+        self.backlog = 0  # the prompt's tokens, counted until its first token
+        self.members_left = len(requests)
+        self.gone: set[int] = set()  # sequences that left before the reservation
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,6 +183,8 @@ class RayBackend(Backend):
         self.transfer_bytes_total = 0
         self.transfer_seconds_total = 0.0
         self.retries_total = 0
+        self.prefills_total = 0  # prefill calls that succeeded
+        self.transfers_total = 0  # and the KV transfers they made
         self.migrations_total = 0
         # Requests waiting for decode capacity, first come first served (retries of admitted
         # requests go to the front). Only its front tries to reserve (the head alone while
@@ -214,7 +250,18 @@ class RayBackend(Backend):
                 await task
 
     # ---- Backend ------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+    def generate_forks(self, requests: list[GenerateRequest]) -> list[AsyncIterator[TokenDelta]]:
+        """The sequences of one prompt: their first attempt is one reservation (on one decode
+        replica) and one prefill and transfer; each then streams, and is retried or migrated,
+        on its own."""
+        start = _AttemptStart(requests, [f"{r.request_id}#0" for r in requests], admitted=False)
+        return [self.generate(r, start, index) for index, r in enumerate(requests)]
+
+    async def generate(
+        self, request: GenerateRequest, first: _AttemptStart | None = None, index: int = 0
+    ) -> AsyncIterator[TokenDelta]:
+        """``first``: the first attempt's start when it is shared with other sequences of
+        the prompt (``generate_forks``), ``request`` being its ``index``-th."""
         self.load.arrived(request.arrival_time)
         streamed: list[int] = []  # tokens the client has received
         served_by: set[str] = set()
@@ -239,7 +286,11 @@ class RayBackend(Backend):
                     self.limits.queue_timeout_s if attempt > 0 else self.limits.replica_wait_s
                 )
                 attempt += 1
-                deltas = self._run_attempt(sub, worker_rid, served_by, admitted=attempt > 1)
+                if attempt == 1 and first is not None:
+                    start, member = first, index
+                else:
+                    start, member = _AttemptStart([sub], [worker_rid], admitted=attempt > 1), 0
+                deltas = self._run_attempt(start, member, served_by)
                 try:
                     async for delta in deltas:
                         if delta.token_ids and first_token_at is None:
@@ -318,34 +369,32 @@ class RayBackend(Backend):
         )
 
     async def _run_attempt(
-        self, request: GenerateRequest, worker_rid: str, served_by: set[str], admitted: bool
+        self, start: _AttemptStart, index: int, served_by: set[str]
     ) -> AsyncIterator[TokenDelta]:
-        """One attempt; ``admitted``: a retry or migration of an admitted request, which
-        SLO-aware admission does not refuse."""
+        """One attempt of the ``index``-th sequence of ``start``: once the start has its
+        reservation (and prefill under way), this sequence's tokens as they arrive."""
+        request, worker_rid = start.requests[index], start.worker_rids[index]
         queue: asyncio.Queue[dict] = asyncio.Queue()
         self._queues[worker_rid] = queue
         decode: Replica | None = None
-        prefill_task: asyncio.Task | None = None
         finished = False
         last_delivery: float | None = None
-        backlog = 0  # this attempt's prompt tokens, counted until its first token
-        timeline = RequestTimeline(request.arrival_time)
+        timeline = start.timeline
         # The first token reaches the router twice in disaggregated mode: with the prefill
         # call's result (sent on at once) and at the head of the decode replica's stream.
         first_sent = False
         skip_decode_first = False
         try:
-            decode, reservation = await self._reserve(request, worker_rid, admitted, timeline)
+            if start.task is None:
+                start.task = asyncio.create_task(self._begin(start))
+            decode = await asyncio.shield(start.task)
             served_by.add(decode.name)
             self.decode_progress.start(worker_rid, decode.name, request.params.max_tokens)
-            backlog = len(request.prompt_token_ids)
-            self.prefill_backlog_tokens += backlog
             slot_limit = self.slot_limits.get(decode.name)
-            if not self.colocated:
-                prefill_task = asyncio.create_task(
-                    self._prefill(request, worker_rid, decode, reservation, served_by, timeline)
-                )
             first_delta = True
+            wants_prefill_result = (
+                request.params.logprobs is not None or request.params.prompt_logprobs is not None
+            )
             while True:
                 try:
                     delta = await asyncio.wait_for(queue.get(), timeout=self.limits.idle_timeout_s)
@@ -363,6 +412,7 @@ class RayBackend(Backend):
                     delta = {
                         "token_ids": [delta["first_token"]],
                         "logprobs": None if lp is None else [lp],
+                        "prompt_logprobs": delta.get("prompt_logprobs"),
                         "finish_reason": None,
                         "error": None,
                     }
@@ -374,18 +424,23 @@ class RayBackend(Backend):
                     delta = {**delta, "token_ids": delta["token_ids"][1:]}
                     if not delta["token_ids"] and delta["finish_reason"] is None:
                         continue
-                if first_delta and request.params.logprobs is not None and prefill_task is not None:
-                    # The first token was sampled on the prefill actor, which has its logprobs.
-                    result = await prefill_task
-                    if result and result.get("logprob") is not None and delta["token_ids"]:
-                        delta["logprobs"] = [result["logprob"], *(delta["logprobs"] or [])]
+                if first_delta and wants_prefill_result and start.prefill_task is not None:
+                    # The first token was sampled on the prefill actor, which has its logprobs
+                    # (and the prompt's).
+                    result = await asyncio.shield(start.prefill_task)
+                    if result and delta["token_ids"]:
+                        lp = _first_logprob(result, index)
+                        if lp is not None:
+                            delta["logprobs"] = [lp, *(delta["logprobs"] or [])]
+                        delta["prompt_logprobs"] = result.get("prompt_logprobs")
                 first_delta = False
                 first_sent = first_sent or bool(delta["token_ids"])
                 now = time.monotonic()
-                if delta["token_ids"] and backlog:  # the first token
-                    self.prefill_backlog_tokens -= backlog
-                    backlog = 0
-                    error_s = self.ttft_forecast.first_token(worker_rid, now)
+                if delta["token_ids"] and start.backlog:  # the prompt's first token
+                    self.prefill_backlog_tokens -= start.backlog
+                    start.backlog = 0
+                if delta["token_ids"] and timeline.first_token is None:  # the prompt's first
+                    error_s = self.ttft_forecast.first_token(start.worker_rids[0], now)
                     if error_s is not None:
                         RouterMetrics.of(self).ttft_forecast_error.observe(error_s)
                     timeline.first_token = now
@@ -401,6 +456,7 @@ class RayBackend(Backend):
                     error=delta["error"],
                     # by the end the prefill's own account is in, whichever path came first
                     timings=timeline.stages() if finishing and timeline.first_token else None,
+                    prompt_logprobs=_prompt_logprobs(delta.get("prompt_logprobs")),
                 )
                 finished = out.finish_reason is not None
                 yield out
@@ -411,15 +467,48 @@ class RayBackend(Backend):
             self._owner.pop(worker_rid, None)
             self.ttft_forecast.forget(worker_rid)
             self.decode_progress.end(worker_rid)
-            self.prefill_backlog_tokens -= backlog
+            if start.prefill_name:
+                served_by.add(start.prefill_name)
+            task = start.task
+            if decode is None and task is not None and task.done() and not task.cancelled():
+                if task.exception() is None:  # reserved, but this sequence left before it knew
+                    decode = task.result()
             if decode is not None:
-                decode.in_flight -= 1
-                self.slots_freed.add(time.monotonic())
-                self._wake_front_of_line()
-                if not finished and decode.alive:
-                    decode.handle.cancel.remote(worker_rid)
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
+                self._release_slot(decode, worker_rid, cancel=not finished)
+            else:
+                start.gone.add(index)  # the start, if it reserves, releases its slot
+            start.members_left -= 1
+            if start.members_left == 0:
+                self.prefill_backlog_tokens -= start.backlog
+                start.backlog = 0
+                for task in (start.task, start.prefill_task):
+                    if task is not None and not task.done():
+                        task.cancel()
+
+    async def _begin(self, start: _AttemptStart) -> Replica:
+        """Reserve decode capacity for every sequence of ``start`` and start its prefill."""
+        head, rid = start.requests[0], start.worker_rids[0]
+        forks = tuple(
+            Fork(r, req.params)
+            for r, req in zip(start.worker_rids[1:], start.requests[1:], strict=True)
+        )
+        decode, reservation = await self._reserve(head, rid, start.admitted, start.timeline, forks)
+        for index in start.gone:  # left while it reserved
+            self._release_slot(decode, start.worker_rids[index], cancel=True)
+        start.backlog = len(head.prompt_token_ids)
+        self.prefill_backlog_tokens += start.backlog
+        if not self.colocated:
+            start.prefill_task = asyncio.create_task(self._prefill(start, decode, reservation))
+        return decode
+
+    def _release_slot(self, decode: Replica, worker_rid: str, cancel: bool) -> None:
+        """A sequence is done with its slot on ``decode`` (cancelled there if unfinished)."""
+        decode.in_flight -= 1
+        self._owner.pop(worker_rid, None)
+        self.slots_freed.add(time.monotonic())
+        self._wake_front_of_line()
+        if cancel and decode.alive:
+            decode.handle.cancel.remote(worker_rid)
 
     async def health(self) -> dict[str, Any]:
         decode_ready = sum(r.routable for r in self.replicas.pool(self.decode_pool))
@@ -443,6 +532,8 @@ class RayBackend(Backend):
             "router_waiting": self.waiting,
             "router_waiting_for_capacity": self.waiting_for_capacity,
             "retries_total": self.retries_total,
+            "prefills_total": self.prefills_total,
+            "transfers_total": self.transfers_total,
             "migrations_total": self.migrations_total,
             "slot_limit": {name: limit.limit for name, limit in self.slot_limits.items()},
             "slo_refusals_total": self.slo_refusals_total,
@@ -471,8 +562,15 @@ class RayBackend(Backend):
 
     # ---- admission and dispatch -----------------------------------------------------------
     async def _reserve(
-        self, request: GenerateRequest, worker_rid: str, admitted: bool, timeline: RequestTimeline
+        self,
+        request: GenerateRequest,
+        worker_rid: str,
+        admitted: bool,
+        timeline: RequestTimeline,
+        forks: tuple[Fork, ...] = (),
     ) -> tuple[Replica, dict]:
+        """Admission, then a place in the line until a decode replica reserves KV for the
+        request (and slots for its ``forks``)."""
         limits = self.limits
         slo = None if admitted else self.slo
         self._check_fits_kv_cache(request)
@@ -511,7 +609,7 @@ class RayBackend(Backend):
                     place.wake.clear()
                     if timeline.reserve_started is None:
                         timeline.reserve_started = time.monotonic()
-                    reserved = await self._try_reserve(request, worker_rid, slo is not None)
+                    reserved = await self._try_reserve(request, worker_rid, slo is not None, forks)
                     if reserved is None:
                         self._line_blocked_at = time.monotonic()
                     if reserved is not None:
@@ -639,10 +737,15 @@ class RayBackend(Backend):
         return forecast
 
     async def _try_reserve(
-        self, request: GenerateRequest, worker_rid: str, within_slots: bool
+        self,
+        request: GenerateRequest,
+        worker_rid: str,
+        within_slots: bool,
+        forks: tuple[Fork, ...] = (),
     ) -> tuple[Replica, dict] | None:
         """Reserve on the first replica with capacity (and, ``within_slots``, under its
-        SLO slot limit); None if all are full right now."""
+        SLO slot limit); None if all are full right now. The request and its forks count a
+        slot each."""
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
         if not candidates:
             raise NoReplica(f"no {self.decode_pool} replica is ready")
@@ -650,19 +753,20 @@ class RayBackend(Backend):
             candidates = [r for r in candidates if self._free_slots(r) > 0]
         for replica in candidates:
             # Counted from now, so that reservations made side by side respect the limit.
-            replica.in_flight += 1
+            width = 1 + len(forks)
+            replica.in_flight += width
             try:
                 if self.colocated:
                     await replica.handle.submit.remote(
-                        worker_rid, request.prompt_token_ids, request.params
+                        worker_rid, request.prompt_token_ids, request.params, forks
                     )
                     reservation: dict = {}
                 else:
                     reservation = await replica.handle.reserve.remote(
-                        worker_rid, request.prompt_token_ids, request.params
+                        worker_rid, request.prompt_token_ids, request.params, forks
                     )
             except BaseException as err:  # noqa: BLE001 - sorted by kind below
-                replica.in_flight -= 1
+                replica.in_flight -= width
                 if not isinstance(err, Exception):
                     raise  # cancelled: the client went away
                 if _is(err, NoCapacityError):
@@ -675,45 +779,41 @@ class RayBackend(Backend):
                     replica.alive = False
                     continue
                 raise
-            self._owner[worker_rid] = replica.name
+            for rid in (worker_rid, *(f.request_id for f in forks)):
+                self._owner[rid] = replica.name
             return replica, reservation
         return None
 
     async def _prefill(
-        self,
-        request: GenerateRequest,
-        worker_rid: str,
-        decode: Replica,
-        reservation: dict,
-        served_by: set[str],
-        timeline: RequestTimeline,
+        self, start: _AttemptStart, decode: Replica, reservation: dict
     ) -> dict | None:
-        """Run the prefill. On failure, the attempt is retried (a fresh reservation, another
-        prefill replica if this one died)."""
+        """Run the prefill (one for all of ``start``'s sequences). On failure, each of them
+        is retried (a fresh reservation, another prefill replica if this one died)."""
+        request, rids, timeline = start.requests[0], start.worker_rids, start.timeline
         replica = self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
         if replica is None:
-            self._signal(worker_rid, {"retry": "no prefill replica is ready"})
+            self._signal_all(rids, {"retry": "no prefill replica is ready"})
             return None
-        served_by.add(replica.name)
+        start.prefill_name = replica.name
         replica.in_flight += 1
         timeline.prefill_sent = time.monotonic()
+        forks = tuple(Fork(r, q.params) for r, q in zip(rids[1:], start.requests[1:], strict=True))
         try:
             result = await replica.handle.prefill.remote(
-                worker_rid,
+                rids[0],
                 request.prompt_token_ids,
                 request.params,
                 reservation["kv_address"],
                 reservation["lease_id"],
+                forks=forks,
             )
         except asyncio.CancelledError:
-            replica.handle.cancel.remote(worker_rid)
+            replica.handle.cancel.remote(rids[0])
             raise
         except Exception as err:  # noqa: BLE001 - any failure ends this attempt cleanly
             if isinstance(err, ray.exceptions.RayActorError):
                 replica.alive = False
-            self._signal(
-                worker_rid, {"retry": f"prefill on {replica.name} failed: {_message(err)}"}
-            )
+            self._signal_all(rids, {"retry": f"prefill on {replica.name} failed: {_message(err)}"})
             return None
         finally:
             replica.in_flight -= 1
@@ -721,13 +821,26 @@ class RayBackend(Backend):
         timeline.worker = {
             key: float(result.get(key, 0.0)) for key in ("wait_s", "compute_s", "transfer_finish_s")
         }
-        self._signal(
-            worker_rid, {"first_token": result["first_token"], "logprob": result.get("logprob")}
-        )
+        tokens = [result["first_token"], *result.get("fork_tokens", ())]
+        for index, rid in enumerate(rids):
+            self._signal(
+                rid,
+                {
+                    "first_token": tokens[index],
+                    "logprob": _first_logprob(result, index),
+                    "prompt_logprobs": result.get("prompt_logprobs"),
+                },
+            )
         transfer = result.get("transfer") or {}
         self.transfer_bytes_total += int(transfer.get("payload_bytes", 0) or 0)
         self.transfer_seconds_total += float(transfer.get("seconds", 0.0) or 0.0)
+        self.prefills_total += 1
+        self.transfers_total += 1 if transfer else 0
         return result
+
+    def _signal_all(self, worker_rids: list[str], delta: dict) -> None:
+        for rid in worker_rids:
+            self._signal(rid, delta)
 
     def _signal(self, worker_rid: str, delta: dict) -> None:
         queue = self._queues.get(worker_rid)

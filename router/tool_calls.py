@@ -1,17 +1,18 @@
 """Tools in chat: validating ``tools`` / ``tool_choice``, describing the tools to a model
 whose chat template does not take them, the grammar that makes ``tool_choice: "required"``
-(or a named function) a valid call, and parsing the model's output into ``tool_calls``.
+(or a named function) a valid call. Reading the model's calls out of its answer is
+router/tool_call_stream.py's job. No I/O.
 
 A call is JSON ``{"name": ..., "arguments": {...}}`` (``"parameters"`` is read as
 arguments too, as Llama models write it), alone, in a list, or inside ``<tool_call>`` tags
-(Hermes / Qwen / SmolLM style). Pure functions: no I/O.
+(Hermes / Qwen / SmolLM style). One reader parses an answer as it streams; the whole
+answer is parsed by the same reader, so a response says the same thing streamed or not.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,6 @@ from engine.structured_output import GrammarSpec
 from router.errors import bad_request
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -140,38 +140,3 @@ def tool_grammar(use: ToolUse) -> GrammarSpec | None:
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return GrammarSpec("json_schema", json.dumps(schema))
-
-
-def parse_tool_calls(text: str, use: ToolUse) -> list[dict[str, Any]] | None:
-    """OpenAI ``tool_calls`` entries for the calls in ``text`` to the offered tools, or None
-    when it holds none (it is then the answer's content)."""
-    names = {t.name for t in use.tools}
-    tagged = _TAGGED.findall(text)
-    candidates: list[Any] = []
-    for body in tagged or [text.strip()]:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        candidates += value if isinstance(value, list) else [value]
-    calls = []
-    for call in candidates:
-        if not isinstance(call, dict) or call.get("name") not in names:
-            continue
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                continue
-        calls.append(
-            {
-                "id": f"call_{secrets.token_hex(12)}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-    return calls or None

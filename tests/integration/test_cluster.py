@@ -161,6 +161,92 @@ def test_a_list_of_prompts_echo_and_logit_bias_through_the_openai_client(openai_
     assert texts == [c.text for c in batch.choices[:2]]
 
 
+def router_counter(cluster, name: str) -> float:
+    text = httpx.get(cluster.urls["http"] + "/metrics", timeout=10).text
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_n_choices_share_one_prefill_and_one_transfer(cluster, openai_client):
+    prompt = "Forks of one prompt share its blocks. " * 3  # not seen before: no prefix hits
+    prefill = cluster.workers()["prefill-0"]
+    before = {
+        name: router_counter(cluster, name)
+        for name in ("pdcluster_prefills_total", "pdcluster_kv_transfers_total")
+    }
+    computed = ray.get(prefill.stats.remote())["prompt_tokens_computed"]
+    out = openai_client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        n=4,
+        max_tokens=10,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for name, value in before.items():
+        assert router_counter(cluster, name) == value + 1, name
+    llm = LLM("tiny", progress=False, **ENGINE)
+    num_prompt = len(llm.tokenizer.encode(prompt))
+    assert ray.get(prefill.stats.remote())["prompt_tokens_computed"] == computed + num_prompt
+    assert out.usage.prompt_tokens == num_prompt and out.usage.completion_tokens == 40
+    # choice i is the prompt sampled with seed 7 + i, as one engine samples it
+    expected = [
+        llm.generate(
+            prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=7 + i, ignore_eos=True)
+        )[0].token_ids
+        for i in range(4)
+    ]
+    assert [c.model_extra["token_ids"] for c in out.choices] == expected
+    assert len({tuple(t) for t in expected}) == 4
+
+    greedy = openai_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8, temperature=0
+    )
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    streamed = openai_client.completions.create(
+        model="tiny", prompt=prompt, n=2, max_tokens=5, temperature=0, stream=True
+    )
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == texts[1] and texts[0]
+    stats = wait_idle(cluster)
+    assert all(
+        s["free_blocks"] == s["num_blocks"] for n, s in stats.items() if n.startswith("decode")
+    )
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(openai_client):
+    prompt = PROMPTS[1]
+    llm = LLM("tiny", progress=False, **ENGINE)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    offline = llm.generate(prompt, params)[0]
+    for stream in (False, True):
+        response = openai_client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            echo=True,
+            logprobs=2,
+            max_tokens=3,
+            temperature=0,
+            stream=stream,
+        )
+        chunks = list(response) if stream else [response]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        values = [v for lp in logprobs for v in lp.token_logprobs]
+        num_prompt = len(offline.prompt_token_ids)
+        assert text.startswith(prompt) and len(tokens) == num_prompt + 3
+        assert values[0] is None
+        expected = [lp.logprob for lp in offline.prompt_logprobs[1:]]
+        assert values[1:num_prompt] == pytest.approx(expected, abs=1e-4)
+        assert logprobs[0].top_logprobs[0] is None and len(logprobs[0].top_logprobs[1]) == 2
+
+
 def test_64_concurrent_requests_complete_and_free_every_block(cluster):
     async def run():
         async with httpx.AsyncClient(base_url=cluster.urls["http"], timeout=120) as client:

@@ -18,7 +18,7 @@ ENGINE = {
 }
 
 
-def complete(url: str, prompt, max_tokens: int = 12) -> dict:
+def complete(url: str, prompt, max_tokens: int = 12, **options) -> dict:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -26,6 +26,7 @@ def complete(url: str, prompt, max_tokens: int = 12) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **options,
     }
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
@@ -46,6 +47,21 @@ def test_colocated_mode_serves_the_same_tokens(ray_session):
         )[0]
         got = complete(running.urls["http"], prompt)
         assert got["choices"][0]["token_ids"] == expected.token_ids
+        # n: one prefill, choice i sampled with seed + i; echo with the prompt's logprobs
+        forked = complete(
+            running.urls["http"], prompt, n=2, seed=3, temperature=1.0, echo=True, logprobs=1
+        )
+        sampled = [
+            llm.generate(
+                [prompt],
+                SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True),
+            )[0].token_ids
+            for seed in (3, 4)
+        ]
+        assert [c["token_ids"] for c in forked["choices"]] == sampled
+        logprobs = forked["choices"][1]["logprobs"]
+        assert logprobs["token_logprobs"][0] is None
+        assert len(logprobs["tokens"]) == len(expected.prompt_token_ids) + 12
         health = httpx.get(running.urls["http"] + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["mode"] == "colocated"
     finally:

@@ -120,6 +120,7 @@ def test_a_required_tool_call_comes_back_parsed_and_valid(served):
     assert call.type == "function" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
     streamed = list(client.chat.completions.create(**options, stream=True))
-    calls = [c for chunk in streamed for c in (chunk.choices[0].delta.tool_calls or [])]
-    assert [c.function.arguments for c in calls] == [call.function.arguments]
+    pieces = [c for chunk in streamed for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [p.function.name for p in pieces if p.id] == [call.function.name]
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
     assert streamed[-1].choices[0].finish_reason == "tool_calls"

@@ -72,7 +72,7 @@ SERVED_CHAT = {
 STREAM_OPTIONS = {"stream": True, "stream_options": {"include_usage": True}}
 
 # Not served (or not with this value): the 400 names the field.
-REFUSED_COMPLETION = {"best_of": 2, "n": 2, "suffix": " and so on"}
+REFUSED_COMPLETION = {"best_of": 2, "n": 17, "suffix": " and so on"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"},
@@ -80,7 +80,7 @@ REFUSED_CHAT = {
     "functions": [TOOL["function"]],
     "metadata": {"k": "v"},
     "modalities": ["text", "audio"],
-    "n": 2,
+    "n": 0,
     "parallel_tool_calls": "yes",
     "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "low",

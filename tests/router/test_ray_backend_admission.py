@@ -24,8 +24,8 @@ class _Method:
     def __init__(self, fn):
         self.fn = fn
 
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))  # runs even if never awaited
+    def remote(self, *args, **kwargs):
+        return asyncio.ensure_future(self.fn(*args, **kwargs))  # runs even if never awaited
 
 
 class FakeDecode:
@@ -43,7 +43,7 @@ class FakeDecode:
         self.cancel = _Method(self._cancel)
         self.stats = _Method(self._stats)
 
-    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams) -> dict:
+    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, forks=()) -> dict:
         self.reserving += 1
         self.most_reserving = max(self.most_reserving, self.reserving)
         try:
@@ -86,7 +86,7 @@ class FakePrefill:
         self.cancel = _Method(self._cancel)
         self.stats = _Method(self._stats)
 
-    async def _prefill(self, rid, prompt, params, kv_address, lease_id) -> dict:
+    async def _prefill(self, rid, prompt, params, kv_address, lease_id, forks=()) -> dict:
         await asyncio.sleep(0.001)
         self.decode.prefilled.add(rid)
         return {"first_token": 65, "transfer": {}}

@@ -9,7 +9,8 @@ import pytest
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import ByteTokenizer
 from router.errors import APIError
-from router.tool_calls import describe_tools, parse_tool_calls, tool_grammar, tool_use
+from router.tool_call_stream import parse_tool_calls
+from router.tool_calls import describe_tools, tool_grammar, tool_use
 
 WEATHER = {
     "type": "function",
