@@ -11,6 +11,7 @@ import pytest
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.sequence import Fork
 from engine.worker_options import KVTransferOptions, WorkerOptions
 from prefill_worker.worker import PrefillWorker
 
@@ -44,6 +45,19 @@ def collect(decode: DecodeWorker, request_id: str) -> list[int]:
             if delta["finish_reason"]:
                 return tokens
     raise AssertionError(f"{request_id} did not finish")
+
+
+def collect_all(decode: DecodeWorker, request_ids: list[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r: [] for r in request_ids}
+    unfinished = set(request_ids)
+    deadline = time.monotonic() + 30
+    while unfinished and time.monotonic() < deadline:
+        for request_id, delta in decode.poll(0.05).items():
+            tokens[request_id] += delta["token_ids"]
+            if delta["finish_reason"]:
+                unfinished.discard(request_id)
+    assert not unfinished, f"{unfinished} did not finish"
+    return tokens
 
 
 def test_a_long_prompt_streams_its_kv_chunk_by_chunk(workers):
@@ -101,3 +115,43 @@ def test_a_transfer_lands_while_decode_steps_continuously(workers):
     assert time.monotonic() - started < 10
     for i in range(8):
         decode.cancel(f"busy-{i}")
+
+
+def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers):
+    prefill, decode = workers
+    prompt = [(j * 11) % 250 + 3 for j in range(37)]  # a shared partial last block
+    seeded = [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True)
+        for seed in (1, 2, 3)
+    ]
+    forks = (Fork("f-1", seeded[1]), Fork("f-2", seeded[2]))
+    reservation = decode.reserve("f-0", prompt, seeded[0], forks)
+    assert decode.stats()["pending_sequences"] == 3
+    assert decode.cancel("f-0")  # the request itself: its forks still decode
+    result = prefill.prefill(
+        "f-0", prompt, seeded[0], reservation["kv_address"], reservation["lease_id"], forks=forks
+    )
+    assert len(result["fork_tokens"]) == 2
+    llm = LLM("tiny", num_kv_blocks=64, progress=False)
+    tokens = collect_all(decode, ["f-0", "f-1", "f-2"])
+    assert tokens["f-0"] == []  # cancelled
+    for request_id, params in (("f-1", seeded[1]), ("f-2", seeded[2])):
+        assert tokens[request_id] == llm.generate([prompt], params)[0].token_ids
+    stats = decode.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["pending_sequences"] == 0
+
+    # Every member cancelled before the KV arrives: the lease goes, the transfer is refused.
+    reservation = decode.reserve("g-0", prompt, seeded[0], (Fork("g-1", seeded[1]),))
+    assert decode.cancel("g-1") and decode.cancel("g-0")
+    assert decode.stats()["leases"] == 0
+    with pytest.raises(Exception, match="lease|cancel"):
+        prefill.prefill(
+            "g-0",
+            prompt,
+            seeded[0],
+            reservation["kv_address"],
+            reservation["lease_id"],
+            forks=(Fork("g-1", seeded[1]),),
+        )
+    stats = decode.stats()
+    assert stats["free_blocks"] == stats["num_blocks"]
