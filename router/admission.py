@@ -383,14 +383,16 @@ class TTFTForecast:
         prompt_tokens: int,
         prefill_replicas: list[str],
         slot_ends_s: Sequence[float] = (),
+        slots_needed: int = 1,
     ) -> Forecast:
         """``waiting``: requests in the line for decode capacity; ``current_turn_s``: how
         long the line has not moved (0 with no line); ``free_slots``: how many more
         requests the replicas' slot limits let in now; ``slot_ends_s``: when the requests
-        holding slots are expected to end, soonest first."""
+        holding slots are expected to end, soonest first; ``slots_needed``: the request's
+        sequences (OpenAI's n), each a slot."""
         turn = self.turn_time.mean_s(now, current_turn_s)
-        turns_for_a_slot = math.ceil(max(0, waiting + 1 - free_slots))
-        slot_wait = (waiting + 1 - turns_for_a_slot) * turn
+        turns_for_a_slot = math.ceil(max(0, waiting + slots_needed - free_slots))
+        slot_wait = max(0, waiting + 1 - turns_for_a_slot) * turn
         if turns_for_a_slot:
             freed_per_s = self.slots_freed.rate(now)
             per_slot = max(turn, 1.0 / freed_per_s) if freed_per_s > 0 else math.inf

@@ -592,7 +592,7 @@ class RayBackend(Backend):
                 f"{self.waiting} requests are already waiting for KV capacity", retry_after_s=1.0
             )
         if slo is not None:
-            forecast = self._refuse_if_ttft_forecast_misses(request, slo)
+            forecast = self._refuse_if_ttft_forecast_misses(request, slo, 1 + len(forks))
             if forecast.informed:  # its error is worth learning from
                 self.ttft_forecast.admitted(worker_rid, request.arrival_time, forecast.raw_s)
         deadline = time.monotonic() + limits.queue_timeout_s
@@ -681,10 +681,16 @@ class RayBackend(Backend):
         limit = self.slot_limits.get(replica.name)
         return math.inf if limit is None else max(0, limit.limit - replica.in_flight)
 
+    def _has_slots(self, replica: Replica, width: int) -> bool:
+        """Whether ``replica``'s SLO slot limit lets ``width`` more sequences in (an idle
+        replica takes any one request, however wide)."""
+        return self._free_slots(replica) >= width or replica.in_flight == 0
+
     def _refuse_if_ttft_forecast_misses(
-        self, request: GenerateRequest, slo: SLOTargets
+        self, request: GenerateRequest, slo: SLOTargets, width: int = 1
     ) -> Forecast:
-        """Early rejection: 429 now for a request that would miss its TTFT target."""
+        """Early rejection: 429 now for a request (of ``width`` sequences) that would miss
+        its TTFT target."""
         candidates = self.replicas.decode_candidates(self.decode_pool, set())
         started = time.monotonic()
         forecast = self.ttft_forecast.forecast(
@@ -696,6 +702,7 @@ class RayBackend(Backend):
             prompt_tokens=len(request.prompt_token_ids),
             prefill_replicas=[r.name for r in self.replicas.pool(self._prefill_pool)],
             slot_ends_s=self.decode_progress.slot_ends_s({r.name for r in candidates}, started),
+            slots_needed=width,
         )
         now = time.monotonic()
         limit_s = slo.ttft_limit_s(forecast.own_prefill_s)
@@ -707,7 +714,7 @@ class RayBackend(Backend):
             and self.waiting == 0
             and candidates
             and not math.isinf(forecast.slot_wait_s)
-            and any(self._free_slots(r) > 0 for r in candidates)
+            and any(self._has_slots(r, width) for r in candidates)
         )
         if forecast.ttft_s > limit_s and not probe and not idle:
             self.slo_refusals_total += 1
@@ -750,7 +757,7 @@ class RayBackend(Backend):
         if not candidates:
             raise NoReplica(f"no {self.decode_pool} replica is ready")
         if within_slots:
-            candidates = [r for r in candidates if self._free_slots(r) > 0]
+            candidates = [r for r in candidates if self._has_slots(r, 1 + len(forks))]
         for replica in candidates:
             # Counted from now, so that reservations made side by side respect the limit.
             width = 1 + len(forks)
