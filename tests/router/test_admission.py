@@ -248,6 +248,9 @@ def test_ttft_forecast_gives_the_free_slots_to_the_first_in_line_and_the_rest_wa
     # 7 ahead and 3 free slots: 3 quick turns, then 5 that each wait for a slot to free.
     behind = forecast.forecast(10.0, waiting=7, free_slots=3, **args)
     assert behind.slot_wait_s == pytest.approx(3 * 0.1 + 5 * 0.5)
+    # A request of 4 sequences (n=4) with 2 ahead needs 6 slots: 3 free, 3 to wait for.
+    wide = forecast.forecast(10.0, waiting=2, free_slots=3, slots_needed=4, **args)
+    assert wide.slot_wait_s == pytest.approx(0 * 0.1 + 3 * 0.5)
 
 
 def test_ttft_forecast_waits_for_the_running_requests_expected_ends():
