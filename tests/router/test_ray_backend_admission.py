@@ -155,7 +155,7 @@ def test_requests_waiting_for_capacity_are_served_first_come_first_served():
 
 
 def test_the_front_of_the_line_reserves_side_by_side_until_it_finds_no_capacity():
-    import router.ray_backend as ray_backend
+    from router import decode_line
 
     async def run():
         backend, decode = make_backend(capacity=12, reserve_s=0.1)
@@ -173,7 +173,7 @@ def test_the_front_of_the_line_reserves_side_by_side_until_it_finds_no_capacity(
 
     twelve_in_s, decode, most_while_full, outputs, backend = asyncio.run(run())
     # 8 calls at once: 12 reservations of 0.1 s each take two rounds, not 1.2 s.
-    assert decode.most_reserving == ray_backend.PARALLEL_RESERVATIONS
+    assert decode.most_reserving == decode_line.PARALLEL_RESERVATIONS
     assert twelve_in_s < 0.6
     assert most_while_full <= 1
     assert sorted(decode.reserved) == sorted(f"r{i}#0" for i in range(16))
@@ -185,11 +185,11 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
     async def run():
         backend, decode = make_backend(capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000))
         await backend.start()
-        backend.slot_limits["decode-0"].limit = 1  # as if TPOT had been seen over target
+        backend.admission.slot_limits["decode-0"].limit = 1  # as if TPOT had been seen over target
         # It holds the only slot, and at its pace (a token per 5 ms poll) it ends in ~2 s.
         long = asyncio.create_task(drain(backend, request("long", max_tokens=400)))
         for _ in range(200):  # until its pace is known
-            if backend.decode_progress.slot_ends_s({"decode-0"}, time.monotonic()):
+            if backend.admission.decode_progress.slot_ends_s({"decode-0"}, time.monotonic()):
                 break
             await asyncio.sleep(0.01)
         started = time.monotonic()
@@ -199,7 +199,9 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
         # A retry of an admitted request is not refused and ignores the slot limit.
         moved = request("moved")
         timeline = RequestTimeline(moved.arrival_time)
-        replica, _ = await backend._reserve(moved, "moved#1", admitted=True, timeline=timeline)
+        replica, _ = await backend.attempts.reserve(
+            moved, "moved#1", admitted=True, timeline=timeline
+        )
         stats = backend.stats()
         long.cancel()
         await asyncio.gather(long, return_exceptions=True)
@@ -215,16 +217,16 @@ def test_slo_admission_refuses_at_once_when_every_slot_is_taken_and_none_frees()
 
 
 def test_a_stale_forecast_error_cannot_refuse_everything_a_probe_gets_through(monkeypatch):
-    import router.ray_backend as ray_backend
+    from router import slo_admission
 
-    monkeypatch.setattr(ray_backend, "PROBE_INTERVAL_S", 0.2)
+    monkeypatch.setattr(slo_admission, "PROBE_INTERVAL_S", 0.2)
 
     async def run():
         backend, _ = make_backend(capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000))
         await backend.start()
         for _ in range(20):  # a bad stretch: every request ran 5 s over its forecast
-            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
-        backend.prefill_backlog_tokens = 10  # a prompt ahead: the cluster is not idle
+            backend.admission.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
+        backend.admission.prefill_backlog_tokens = 10  # a prompt ahead: the cluster is not idle
         outcomes = []
         for name in ("probe", "refused", "after"):
             if name == "after":
@@ -250,10 +252,10 @@ def test_an_idle_cluster_never_refuses_whatever_the_forecast_says():
         backend, _ = make_backend(capacity=8, slo=SLOTargets(ttft_ms=500, tpot_ms=1000))
         await backend.start()
         for _ in range(20):
-            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)  # 5 s late each
-        backend._last_slo_admission = time.monotonic()  # and no probe due
+            backend.admission.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)  # 5 s late each
+        backend.admission._last_admission = time.monotonic()  # and no probe due
         served = [len(await drain(backend, request(f"r{i}"))) for i in range(3)]
-        backend.prefill_backlog_tokens = 10  # one prompt ahead: now the forecast rules
+        backend.admission.prefill_backlog_tokens = 10  # one prompt ahead: now the forecast rules
         with pytest.raises(Overloaded, match="forecast error 5000 ms"):
             await drain(backend, request("behind"))
         await backend.stop()
@@ -269,9 +271,9 @@ def test_a_request_that_can_never_fit_is_rejected_before_admission_can_refuse_it
         )
         await backend.start()
         for _ in range(20):  # under load: SLO admission would refuse a new request
-            backend.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
-        backend._last_slo_admission = time.monotonic()
-        backend.prefill_backlog_tokens = 10
+            backend.admission.ttft_forecast.observe(time.monotonic(), 0.0, 5.0)
+        backend.admission._last_admission = time.monotonic()
+        backend.admission.prefill_backlog_tokens = 10
         with pytest.raises(RequestRejected) as rejected:
             await drain(backend, request("huge", max_tokens=100))  # 3 + 100 > 64 tokens
         await backend.stop()

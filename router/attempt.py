@@ -1,0 +1,456 @@
+"""One attempt at a request: reserve decode capacity → prefill → stream its tokens.
+
+An :class:`AttemptStart` is where an attempt's sequences begin: one reservation and one
+prefill, shared by the n sequences of one prompt (OpenAI's ``n``) on their first attempt, of
+one sequence otherwise. :meth:`Attempts.run` streams one sequence of a start; a failure it
+cannot get past raises :class:`AttemptFailed` for the caller to retry or migrate.
+
+Used from the router's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import ray
+
+from engine.block_manager import kv_cache_misfit
+from engine.errors import InvalidRequestError
+from engine.sequence import Fork, TokenLogprobs
+from kv_transfer.errors import NoCapacityError
+from router.backend import GenerateRequest, NoReplica, Overloaded, RequestRejected, TokenDelta
+from router.config import RouterLimits
+from router.decode_line import DecodeLine, LineTimeout
+from router.dispatch import Colocated, Disaggregated
+from router.replicas import Replica, ReplicaSet
+from router.slo_admission import SLOAdmission
+from router.timeline import RequestTimeline
+from router.token_streams import PrefillToken, Retry, TokenStreams, error_message
+
+
+class AttemptFailed(Exception):
+    """This attempt failed in a way another attempt can fix; the message says why."""
+
+
+class AttemptStart:
+    """The reservation and prefill that ``requests`` (sequences of one prompt) share.
+    ``task`` (reserve, then start the prefill) runs once, for whichever sequence asks first;
+    the last sequence to leave cancels what is still running."""
+
+    def __init__(
+        self, requests: list[GenerateRequest], worker_rids: list[str], admitted: bool
+    ) -> None:
+        self.requests = requests
+        self.worker_rids = worker_rids
+        self.admitted = admitted  # a retry or migration: SLO admission does not refuse it
+        self.timeline = RequestTimeline(requests[0].arrival_time)
+        self.task: asyncio.Task | None = None  # → the decode replica
+        self.prefill_task: asyncio.Task | None = None
+        self.prefill_name: str | None = None
+        self.backlog = 0  # the prompt's tokens, counted until its first token
+        self.members_left = len(requests)
+        self.gone: set[int] = set()  # sequences that left before the reservation
+
+    @property
+    def forks(self) -> tuple[Fork, ...]:
+        """The sequences after the first, as the workers take them."""
+        pairs = zip(self.worker_rids[1:], self.requests[1:], strict=True)
+        return tuple(Fork(rid, request.params) for rid, request in pairs)
+
+
+@dataclass
+class PrefillCounters:
+    prefills: int = 0  # prefill calls that succeeded
+    transfers: int = 0  # and the KV transfers they made
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+class Attempts:
+    def __init__(
+        self,
+        *,
+        replicas: ReplicaSet,
+        streams: TokenStreams,
+        admission: SLOAdmission,
+        line: DecodeLine,
+        dispatch: Disaggregated | Colocated,
+        limits: RouterLimits,
+        block_size: int,
+        max_model_len: int,
+        kv_cache_tokens: int | None,
+        on_forecast_error: Callable[[float], None],
+    ) -> None:
+        """``kv_cache_tokens``: a decode replica's KV cache size (a request that can never
+        fit it is refused with 400 before admission); ``on_forecast_error``: each TTFT
+        forecast's error, in seconds, as first tokens arrive."""
+        self.replicas = replicas
+        self.streams = streams
+        self.admission = admission
+        self.line = line
+        self.dispatch = dispatch
+        self.limits = limits
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_tokens = kv_cache_tokens
+        self.on_forecast_error = on_forecast_error
+        self.counters = PrefillCounters()
+
+    async def run(
+        self, start: AttemptStart, index: int, served_by: set[str]
+    ) -> AsyncIterator[TokenDelta]:
+        """The ``index``-th sequence of ``start``: once the start has its reservation (and
+        its prefill is under way), the sequence's tokens as they arrive."""
+        request, worker_rid = start.requests[index], start.worker_rids[index]
+        queue = self.streams.open(worker_rid)
+        decode: Replica | None = None
+        finished = False
+        last_delivery: float | None = None
+        timeline = start.timeline
+        # The first token reaches the router twice in disaggregated mode: with the prefill
+        # call's result (sent on at once) and at the head of the decode replica's stream.
+        first_sent = False
+        skip_decode_first = False
+        first_delta = True
+        wants_prefill_result = (
+            request.params.logprobs is not None or request.params.prompt_logprobs is not None
+        )
+        try:
+            if start.task is None:
+                start.task = asyncio.create_task(self._begin(start))
+            decode = await asyncio.shield(start.task)
+            served_by.add(decode.name)
+            self.admission.slot_taken(worker_rid, decode.name, request.params.max_tokens)
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=self.limits.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise AttemptFailed(
+                        f"no token from {decode.name} for {self.limits.idle_timeout_s:.0f}s"
+                    ) from None
+                if isinstance(event, Retry):
+                    raise AttemptFailed(event.reason)
+                if isinstance(event, PrefillToken):
+                    if first_sent:
+                        continue  # the decode replica's stream was quicker
+                    first_sent = skip_decode_first = True
+                    delta = {
+                        "token_ids": [event.token_id],
+                        "logprobs": None if event.logprob is None else [event.logprob],
+                        "prompt_logprobs": event.prompt_logprobs,
+                        "finish_reason": None,
+                        "error": None,
+                    }
+                    first_delta = False
+                else:
+                    delta = _batch(event)
+                    if skip_decode_first and delta["token_ids"]:
+                        # Already sent; the decode stream has no logprob for it (it was
+                        # sampled on the prefill replica), so only the token goes.
+                        skip_decode_first = False
+                        delta["token_ids"] = delta["token_ids"][1:]
+                        if not delta["token_ids"] and delta["finish_reason"] is None:
+                            continue
+                if first_delta and wants_prefill_result and start.prefill_task is not None:
+                    # Sampled on the prefill actor, which has the first token's logprobs
+                    # (and the prompt's).
+                    result = await asyncio.shield(start.prefill_task)
+                    if result and delta["token_ids"]:
+                        first = _prefill_tokens(result)[index]
+                        if first.logprob is not None:
+                            delta["logprobs"] = [first.logprob, *(delta["logprobs"] or [])]
+                        delta["prompt_logprobs"] = first.prompt_logprobs
+                first_delta = False
+                first_sent = first_sent or bool(delta["token_ids"])
+                now = time.monotonic()
+                if delta["token_ids"]:
+                    self._first_token(start, now)
+                gap_s = None if last_delivery is None else now - last_delivery
+                self.admission.delivered(
+                    worker_rid, decode.name, now, len(delta["token_ids"]), gap_s
+                )
+                last_delivery = now
+                finishing = delta["finish_reason"] is not None
+                finished = finishing
+                yield TokenDelta(
+                    token_ids=delta["token_ids"],
+                    logprobs=delta["logprobs"],
+                    finish_reason=delta["finish_reason"],
+                    error=delta["error"],
+                    # by the end the prefill's own account is in, whichever path came first
+                    timings=timeline.stages() if finishing and timeline.first_token else None,
+                    prompt_logprobs=delta["prompt_logprobs"],
+                )
+                if finishing:
+                    return
+        finally:
+            self._leave(start, index, decode, finished, served_by)
+
+    def _first_token(self, start: AttemptStart, now: float) -> None:
+        """A token of ``start`` reached the router: the first ends its prompt's backlog."""
+        if start.backlog:
+            self.admission.prefill_backlog_tokens -= start.backlog
+            start.backlog = 0
+        if start.timeline.first_token is None:
+            error_s = self.admission.first_token(start.worker_rids[0], now)
+            if error_s is not None:
+                self.on_forecast_error(error_s)
+            start.timeline.first_token = now
+
+    def _leave(
+        self,
+        start: AttemptStart,
+        index: int,
+        decode: Replica | None,
+        finished: bool,
+        served_by: set[str],
+    ) -> None:
+        """Sequence ``index`` is done with this attempt (finished, failed or closed)."""
+        worker_rid = start.worker_rids[index]
+        self.streams.close(worker_rid)
+        self.admission.sequence_ended(worker_rid)
+        if start.prefill_name:
+            served_by.add(start.prefill_name)
+        task = start.task
+        if decode is None and task is not None and task.done() and not task.cancelled():
+            if task.exception() is None:  # reserved, but this sequence left before it knew
+                decode = task.result()
+        if decode is not None:
+            self._release_slot(decode, worker_rid, cancel=not finished)
+        else:
+            start.gone.add(index)  # the start, if it reserves, releases its slot
+        start.members_left -= 1
+        if start.members_left == 0:
+            self.admission.prefill_backlog_tokens -= start.backlog
+            start.backlog = 0
+            for running in (start.task, start.prefill_task):
+                if running is not None and not running.done():
+                    running.cancel()
+
+    async def _begin(self, start: AttemptStart) -> Replica:
+        """Reserve decode capacity for every sequence of ``start`` and start its prefill."""
+        head = start.requests[0]
+        decode, reservation = await self.reserve(
+            head, start.worker_rids[0], start.admitted, start.timeline, start.forks
+        )
+        for index in start.gone:  # left while it reserved
+            self._release_slot(decode, start.worker_rids[index], cancel=True)
+        start.backlog = len(head.prompt_token_ids)
+        self.admission.prefill_backlog_tokens += start.backlog
+        if self.dispatch.has_prefill_pool:
+            start.prefill_task = asyncio.create_task(self._prefill(start, reservation))
+        return decode
+
+    def _release_slot(self, decode: Replica, worker_rid: str, cancel: bool) -> None:
+        """A sequence is done with its slot on ``decode`` (cancelled there if unfinished)."""
+        decode.in_flight -= 1
+        self.streams.disown(worker_rid)
+        self.admission.slot_freed()
+        self.line.wake_front()
+        if cancel and decode.alive:
+            decode.handle.cancel.remote(worker_rid)
+
+    # ---- reserve ------------------------------------------------------------------------
+    async def reserve(
+        self,
+        request: GenerateRequest,
+        worker_rid: str,
+        admitted: bool,
+        timeline: RequestTimeline,
+        forks: tuple[Fork, ...] = (),
+    ) -> tuple[Replica, dict]:
+        """The static limits, SLO admission (not for an ``admitted`` request's retry), then a
+        place in the line until a decode replica reserves KV for the request (and slots for
+        its ``forks``)."""
+        limits, pool = self.limits, self.dispatch.decode_pool
+        self._check_fits_kv_cache(request)
+        if not self.replicas.decode_candidates(pool, set()):
+            raise NoReplica(f"no {pool} replica is ready")
+        if self.dispatch.has_prefill_pool:
+            if (
+                self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
+                is None
+            ):
+                raise NoReplica("no prefill replica is ready")
+            queued = sum(r.stats.get("queued_tokens", 0) for r in self.replicas.pool("prefill"))
+            if queued + len(request.prompt_token_ids) > limits.max_prefill_queue_tokens:
+                raise Overloaded(
+                    f"{queued} prompt tokens are already queued for prefill", retry_after_s=1.0
+                )
+        if self.line.waiting >= limits.max_waiting:
+            raise Overloaded(
+                f"{self.line.waiting} requests are already waiting for KV capacity",
+                retry_after_s=1.0,
+            )
+        slo = not admitted and self.admission.slo is not None
+        if slo:
+            self.admission.check(
+                request,
+                worker_rid,
+                1 + len(forks),
+                self.replicas.decode_candidates(pool, set()),
+                [r.name for r in self.replicas.pool(self.dispatch.prefill_pool)],
+                pool,
+            )
+        try:
+            return await self.line.reserve(
+                worker_rid,
+                lambda: self._try_reserve(request, worker_rid, slo, forks),
+                limits.queue_timeout_s,
+                timeline,
+                front=admitted,
+            )
+        except LineTimeout:
+            raise Overloaded(
+                f"no {pool} replica had capacity within {limits.queue_timeout_s:.0f}s",
+                retry_after_s=1.0,
+            ) from None
+
+    def _check_fits_kv_cache(self, request: GenerateRequest) -> None:
+        """The decode worker's own check, made here first so that load cannot turn a request
+        that can never be served into a 429."""
+        if self.kv_cache_tokens is None:
+            return
+        misfit = kv_cache_misfit(
+            len(request.prompt_token_ids),
+            request.params.max_tokens,
+            self.max_model_len,
+            self.block_size,
+            self.kv_cache_tokens // self.block_size,
+        )
+        if misfit is not None:
+            raise RequestRejected(misfit)
+
+    async def _try_reserve(
+        self,
+        request: GenerateRequest,
+        worker_rid: str,
+        within_slots: bool,
+        forks: tuple[Fork, ...],
+    ) -> tuple[Replica, dict] | None:
+        """Reserve on the first replica with capacity (and, ``within_slots``, under its
+        SLO slot limit); None if all are full right now. The request and its forks count a
+        slot each."""
+        pool = self.dispatch.decode_pool
+        candidates = self.replicas.decode_candidates(pool, set())
+        if not candidates:
+            raise NoReplica(f"no {pool} replica is ready")
+        width = 1 + len(forks)
+        if within_slots:
+            candidates = [r for r in candidates if self.admission.has_slots(r, width)]
+        for replica in candidates:
+            # Counted from now, so that reservations made side by side respect the limit.
+            replica.in_flight += width
+            try:
+                reservation = await self.dispatch.reserve(
+                    replica.handle, worker_rid, request, forks
+                )
+            except BaseException as err:  # noqa: BLE001 - sorted by kind below
+                replica.in_flight -= width
+                if not isinstance(err, Exception):
+                    raise  # cancelled: the client went away
+                if _is(err, NoCapacityError):
+                    limit = self.admission.slot_limits.get(replica.name)
+                    if limit is not None:
+                        limit.full_at(replica.in_flight)
+                    continue
+                if _is(err, InvalidRequestError):
+                    raise RequestRejected(error_message(err)) from None
+                if isinstance(err, ray.exceptions.RayActorError):
+                    replica.alive = False
+                    continue
+                raise
+            for rid in (worker_rid, *(f.request_id for f in forks)):
+                self.streams.owned_by(rid, replica.name)
+            return replica, reservation
+        return None
+
+    # ---- prefill ------------------------------------------------------------------------
+    async def _prefill(self, start: AttemptStart, reservation: dict) -> dict | None:
+        """Run the prefill (one for all of ``start``'s sequences). On failure, each of them
+        is retried (a fresh reservation, another prefill replica if this one died)."""
+        request, rids, timeline = start.requests[0], start.worker_rids, start.timeline
+        replica = self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
+        if replica is None:
+            self._signal_all(rids, Retry("no prefill replica is ready"))
+            return None
+        start.prefill_name = replica.name
+        replica.in_flight += 1
+        timeline.prefill_sent = time.monotonic()
+        try:
+            result = await replica.handle.prefill.remote(
+                rids[0],
+                request.prompt_token_ids,
+                request.params,
+                reservation["kv_address"],
+                reservation["lease_id"],
+                forks=start.forks,
+            )
+        except asyncio.CancelledError:
+            replica.handle.cancel.remote(rids[0])
+            raise
+        except Exception as err:  # noqa: BLE001 - any failure ends this attempt cleanly
+            if isinstance(err, ray.exceptions.RayActorError):
+                replica.alive = False
+            self._signal_all(rids, Retry(f"prefill on {replica.name} failed: {error_message(err)}"))
+            return None
+        finally:
+            replica.in_flight -= 1
+        timeline.prefill_returned = time.monotonic()
+        timeline.worker = {
+            key: float(result.get(key, 0.0)) for key in ("wait_s", "compute_s", "transfer_finish_s")
+        }
+        for rid, token in zip(rids, _prefill_tokens(result), strict=True):
+            self.streams.signal(rid, token)
+        transfer = result.get("transfer") or {}
+        counters = self.counters
+        counters.transfer_bytes += int(transfer.get("payload_bytes", 0) or 0)
+        counters.transfer_seconds += float(transfer.get("seconds", 0.0) or 0.0)
+        counters.prefills += 1
+        counters.transfers += 1 if transfer else 0
+        return result
+
+    def _signal_all(self, worker_rids: list[str], event: Retry) -> None:
+        for rid in worker_rids:
+            self.streams.signal(rid, event)
+
+
+def _prefill_tokens(result: dict) -> list[PrefillToken]:
+    """A prefill result's first tokens: the request's, then each fork's."""
+    prompt = _prompt_logprobs(result.get("prompt_logprobs"))
+    tokens = [result["first_token"], *result.get("fork_tokens", ())]
+    logprobs = [result.get("logprob"), *result.get("fork_logprobs", ())]
+    return [
+        PrefillToken(token, None if lp is None else _logprob(lp), prompt)
+        for token, lp in zip(tokens, logprobs, strict=True)
+    ]
+
+
+def _batch(batch: dict) -> dict:
+    """A decode replica's token batch, its logprobs as TokenLogprobs."""
+    logprobs = batch.get("logprobs")
+    return {
+        "token_ids": list(batch["token_ids"]),
+        "logprobs": None if logprobs is None else [_logprob(d) for d in logprobs],
+        "prompt_logprobs": _prompt_logprobs(batch.get("prompt_logprobs")),
+        "finish_reason": batch["finish_reason"],
+        "error": batch["error"],
+    }
+
+
+def _logprob(item: dict) -> TokenLogprobs:
+    return TokenLogprobs(item["token_id"], item["logprob"], item.get("top") or {})
+
+
+def _prompt_logprobs(items: list[dict | None] | None) -> list[TokenLogprobs | None] | None:
+    if items is None:
+        return None
+    return [None if d is None else _logprob(d) for d in items]
+
+
+def _is(err: BaseException, kind: type) -> bool:
+    """Ray re-raises an actor's exception as a RayTaskError that also subclasses its type."""
+    return isinstance(err, kind) or isinstance(getattr(err, "cause", None), kind)

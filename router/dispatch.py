@@ -1,0 +1,40 @@
+"""How the router hands a request to the workers, per mode: disaggregated (reserve KV on a
+decode replica, then a prefill replica computes the prompt and streams its KV there) or
+colocated (one replica does both: submitting is the whole hand-off).
+
+Called from the router's event loop; each call is one Ray call, its errors the actor's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sequence import Fork
+from router.backend import GenerateRequest
+
+
+class Disaggregated:
+    decode_pool = "decode"  # where sequences decode (and hold their KV)
+    prefill_pool = "prefill"  # where prompts are computed
+    has_prefill_pool = True
+
+    async def reserve(
+        self, handle: Any, worker_rid: str, request: GenerateRequest, forks: tuple[Fork, ...]
+    ) -> dict:
+        """KV for the prompt on a decode replica, before any prefill: the reservation
+        (``lease_id``, ``kv_address``) its prefill streams into."""
+        return await handle.reserve.remote(
+            worker_rid, request.prompt_token_ids, request.params, forks
+        )
+
+
+class Colocated:
+    decode_pool = prefill_pool = "colocated"
+    has_prefill_pool = False
+
+    async def reserve(
+        self, handle: Any, worker_rid: str, request: GenerateRequest, forks: tuple[Fork, ...]
+    ) -> dict:
+        """The request goes to the replica's engine whole: nothing to prefill elsewhere."""
+        await handle.submit.remote(worker_rid, request.prompt_token_ids, request.params, forks)
+        return {}
