@@ -67,7 +67,7 @@ def _transfer_s(worker, shape: dict, sender: KVSender, tokens: int, index: int) 
     start = time.perf_counter()
     stream = sender.open(
         request_id,
-        reservation["lease_id"],
+        reservation.lease_id,
         shape["fingerprint"],
         bs,
         tokens,

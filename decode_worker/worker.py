@@ -33,6 +33,7 @@ from engine.worker_options import WorkerOptions
 from kv_transfer.errors import LeaseError, NoCapacityError
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.receiver import KVReceiverServer
+from workers.messages import Reservation, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,9 @@ class EngineWorker:
 
     def _publish(self, result: StepResult) -> None:
         for request_id, entries in result.prompt_logprobs.items():
-            self.outbox.prompt_logprobs(
-                request_id, [None if e is None else e.to_dict() for e in entries]
-            )
+            self.outbox.prompt_logprobs(request_id, entries)
         for request_id, token, lp in result.new_tokens:
-            self.outbox.add(request_id, token, None if lp is None else lp.to_dict())
+            self.outbox.add(request_id, token, lp)
         for output in result.finished:
             self.outbox.finish(output.request_id, output.finish_reason)
 
@@ -85,7 +84,7 @@ class EngineWorker:
             self.engine.abort(request_id)
             self.outbox.finish(request_id, "error", f"{self.name}: engine step failed: {err}")
 
-    def poll(self, timeout_s: float = 0.05) -> dict[str, dict]:
+    def poll(self, timeout_s: float = 0.05) -> dict[str, TokenBatch]:
         """New tokens of every request since the last poll (waits up to ``timeout_s``)."""
         self._expire()
         return self.outbox.collect(timeout_s)
@@ -163,9 +162,9 @@ class DecodeWorker(EngineWorker):
         prompt_token_ids: list[int],
         params: SamplingParams,
         forks: tuple[Fork, ...] = (),
-    ) -> dict:
+    ) -> Reservation:
         """Lease blocks for the prompt's KV before its prefill starts; ``forks`` will decode
-        from the same blocks.
+        from the same blocks. The reservation is what the prefill streams into.
 
         Raises InvalidRequestError for a request this worker can never serve and
         NoCapacityError when it cannot take it now."""
@@ -195,7 +194,7 @@ class DecodeWorker(EngineWorker):
             )
             for fork in forks:
                 self._member_of[fork.request_id] = request_id
-        return {"lease_id": lease.lease_id, "kv_address": self.receiver.address}
+        return Reservation(lease.lease_id, self.receiver.address)
 
     def _is_pending(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self._member_of

@@ -24,10 +24,11 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Fork
+from engine.sequence import Fork, TokenLogprobs
 from engine.serving_loop import ServingLoop
 from engine.worker_options import WorkerOptions
 from kv_transfer.sender import KVSender, TransferStream
+from workers.messages import FirstToken, PrefillResult, PrefillTimes, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,8 @@ class PrefillJob:
     stream: TransferStream
     members: list[str]  # the request's id, then its forks'
     done: threading.Event = field(default_factory=threading.Event)
-    first_tokens: dict[str, int] = field(default_factory=dict)  # member → its first token
-    logprobs: dict[str, dict] = field(default_factory=dict)  # member → its first token's
-    prompt_logprobs: list[dict | None] | None = None
+    first_tokens: dict[str, FirstToken] = field(default_factory=dict)  # member → its first
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     unfinished: set[str] = field(default_factory=set)
     num_cached_tokens: int = 0
     blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
@@ -93,23 +93,22 @@ class PrefillWorker:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_address: str,
-        lease_id: str,
+        reservation: Reservation,
         timeout_s: float = 600.0,
         forks: tuple[Fork, ...] = (),
-    ) -> dict:
-        """Prefill one prompt, stream its KV to ``kv_address`` under ``lease_id``, return the
-        first token (and each fork's: ``fork_tokens``). Blocks the calling thread (the actor
-        runs calls concurrently); raises PrefillError on failure (the receiver then frees
-        the lease's blocks)."""
+    ) -> PrefillResult:
+        """Prefill one prompt, stream its KV into ``reservation`` (a decode worker's), return
+        its first token and each fork's. Blocks the calling thread (the actor runs calls
+        concurrently); raises PrefillError on failure (the receiver then frees the lease's
+        blocks)."""
         engine = self.engine
         one_token = lambda p: dataclasses.replace(
             p, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=()
         )
         first_forks = [Fork(f.request_id, one_token(f.params)) for f in forks]
-        stream = self._sender(kv_address).open(
+        stream = self._sender(reservation.kv_address).open(
             request_id,
-            lease_id,
+            reservation.lease_id,
             engine.model_config.fingerprint(),
             engine.cache.block_size,
             len(prompt_token_ids),
@@ -142,7 +141,8 @@ class PrefillWorker:
         transfer_start = time.monotonic()
         try:
             transfer = stream.finish(
-                job.first_tokens[request_id], [job.first_tokens[m] for m in members[1:]]
+                job.first_tokens[request_id].token_id,
+                [job.first_tokens[m].token_id for m in members[1:]],
             )
         except Exception as err:  # the receiver's status, or a broken channel
             self.failed += 1
@@ -152,22 +152,19 @@ class PrefillWorker:
         self.completed += 1
         scheduled = job.scheduled or job.started
         computed = job.computed or transfer_start
-        return {
-            "first_token": job.first_tokens[request_id],
-            "logprob": job.logprobs.get(request_id),
-            "fork_tokens": [job.first_tokens[m] for m in members[1:]],
-            "fork_logprobs": [job.logprobs.get(m) for m in members[1:]],
-            "prompt_logprobs": job.prompt_logprobs,
-            "num_cached_tokens": seq.num_cached_tokens,
-            "prefill_s": finished - job.started,
-            # where the worker's time went (router/timeline.py)
-            "wait_s": scheduled - job.started,
-            "compute_s": computed - scheduled,
-            "transfer_finish_s": finished - computed,
-            "transfer": dataclasses.asdict(transfer)
-            if dataclasses.is_dataclass(transfer)
-            else transfer,
-        }
+        return PrefillResult(
+            first_tokens=tuple(job.first_tokens[m] for m in members),
+            prompt_logprobs=job.prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+            prefill_s=finished - job.started,
+            times=PrefillTimes(  # where the worker's time went (router/timeline.py)
+                wait_s=scheduled - job.started,
+                compute_s=computed - scheduled,
+                transfer_finish_s=finished - computed,
+            ),
+            transfer_bytes=transfer.payload_bytes,
+            transfer_seconds=transfer.seconds,
+        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a prefill (the whole of it: the request and its forks)."""
@@ -271,13 +268,11 @@ class PrefillWorker:
         for request_id, token, lp in result.new_tokens:
             job = self.jobs.get(request_id)
             if job is not None:
-                job.first_tokens[request_id] = token
-                if lp is not None:
-                    job.logprobs[request_id] = lp.to_dict()
+                job.first_tokens[request_id] = FirstToken(token, lp)
         for request_id, entries in result.prompt_logprobs.items():
             job = self.jobs.get(request_id)
             if job is not None and job.prompt_logprobs is None:
-                job.prompt_logprobs = [None if e is None else e.to_dict() for e in entries]
+                job.prompt_logprobs = tuple(entries)
         for output in result.finished:
             job = self.jobs.pop(output.request_id, None)
             if job is None:

@@ -11,6 +11,7 @@ Used from the router's event loop only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import ray
 
 from engine.block_manager import kv_cache_misfit
 from engine.errors import InvalidRequestError
-from engine.sequence import Fork, TokenLogprobs
+from engine.sequence import Fork
 from kv_transfer.errors import NoCapacityError
 from router.backend import GenerateRequest, NoReplica, Overloaded, RequestRejected, TokenDelta
 from router.config import RouterLimits
@@ -29,6 +30,7 @@ from router.replicas import Replica, ReplicaSet
 from router.slo_admission import SLOAdmission
 from router.timeline import RequestTimeline
 from router.token_streams import PrefillToken, Retry, TokenStreams, error_message
+from workers.messages import PrefillResult, Reservation, TokenBatch
 
 
 class AttemptFailed(Exception):
@@ -137,52 +139,53 @@ class Attempts:
                     if first_sent:
                         continue  # the decode replica's stream was quicker
                     first_sent = skip_decode_first = True
-                    delta = {
-                        "token_ids": [event.token_id],
-                        "logprobs": None if event.logprob is None else [event.logprob],
-                        "prompt_logprobs": event.prompt_logprobs,
-                        "finish_reason": None,
-                        "error": None,
-                    }
+                    batch = TokenBatch(
+                        token_ids=(event.token_id,),
+                        logprobs=None if event.logprob is None else (event.logprob,),
+                        prompt_logprobs=event.prompt_logprobs,
+                    )
                     first_delta = False
                 else:
-                    delta = _batch(event)
-                    if skip_decode_first and delta["token_ids"]:
+                    batch = event
+                    if skip_decode_first and batch.token_ids:
                         # Already sent; the decode stream has no logprob for it (it was
                         # sampled on the prefill replica), so only the token goes.
                         skip_decode_first = False
-                        delta["token_ids"] = delta["token_ids"][1:]
-                        if not delta["token_ids"] and delta["finish_reason"] is None:
+                        batch = dataclasses.replace(batch, token_ids=batch.token_ids[1:])
+                        if not batch.token_ids and batch.finish_reason is None:
                             continue
                 if first_delta and wants_prefill_result and start.prefill_task is not None:
                     # Sampled on the prefill actor, which has the first token's logprobs
                     # (and the prompt's).
                     result = await asyncio.shield(start.prefill_task)
-                    if result and delta["token_ids"]:
-                        first = _prefill_tokens(result)[index]
+                    if result is not None and batch.token_ids:
+                        first = result.first_tokens[index]
+                        logprobs = batch.logprobs
                         if first.logprob is not None:
-                            delta["logprobs"] = [first.logprob, *(delta["logprobs"] or [])]
-                        delta["prompt_logprobs"] = first.prompt_logprobs
+                            logprobs = (first.logprob, *(batch.logprobs or ()))
+                        batch = dataclasses.replace(
+                            batch, logprobs=logprobs, prompt_logprobs=result.prompt_logprobs
+                        )
                 first_delta = False
-                first_sent = first_sent or bool(delta["token_ids"])
+                first_sent = first_sent or bool(batch.token_ids)
                 now = time.monotonic()
-                if delta["token_ids"]:
+                if batch.token_ids:
                     self._first_token(start, now)
                 gap_s = None if last_delivery is None else now - last_delivery
-                self.admission.delivered(
-                    worker_rid, decode.name, now, len(delta["token_ids"]), gap_s
-                )
+                self.admission.delivered(worker_rid, decode.name, now, len(batch.token_ids), gap_s)
                 last_delivery = now
-                finishing = delta["finish_reason"] is not None
+                finishing = batch.finish_reason is not None
                 finished = finishing
                 yield TokenDelta(
-                    token_ids=delta["token_ids"],
-                    logprobs=delta["logprobs"],
-                    finish_reason=delta["finish_reason"],
-                    error=delta["error"],
+                    token_ids=list(batch.token_ids),
+                    logprobs=None if batch.logprobs is None else list(batch.logprobs),
+                    finish_reason=batch.finish_reason,
+                    error=batch.error,
                     # by the end the prefill's own account is in, whichever path came first
                     timings=timeline.stages() if finishing and timeline.first_token else None,
-                    prompt_logprobs=delta["prompt_logprobs"],
+                    prompt_logprobs=None
+                    if batch.prompt_logprobs is None
+                    else list(batch.prompt_logprobs),
                 )
                 if finishing:
                     return
@@ -261,7 +264,7 @@ class Attempts:
         admitted: bool,
         timeline: RequestTimeline,
         forks: tuple[Fork, ...] = (),
-    ) -> tuple[Replica, dict]:
+    ) -> tuple[Replica, Reservation]:
         """The static limits, SLO admission (not for an ``admitted`` request's retry), then a
         place in the line until a decode replica reserves KV for the request (and slots for
         its ``forks``)."""
@@ -330,7 +333,7 @@ class Attempts:
         worker_rid: str,
         within_slots: bool,
         forks: tuple[Fork, ...],
-    ) -> tuple[Replica, dict] | None:
+    ) -> tuple[Replica, Reservation] | None:
         """Reserve on the first replica with capacity (and, ``within_slots``, under its
         SLO slot limit); None if all are full right now. The request and its forks count a
         slot each."""
@@ -369,7 +372,7 @@ class Attempts:
         return None
 
     # ---- prefill ------------------------------------------------------------------------
-    async def _prefill(self, start: AttemptStart, reservation: dict) -> dict | None:
+    async def _prefill(self, start: AttemptStart, reservation: Reservation) -> PrefillResult | None:
         """Run the prefill (one for all of ``start``'s sequences). On failure, each of them
         is retried (a fresh reservation, another prefill replica if this one died)."""
         request, rids, timeline = start.requests[0], start.worker_rids, start.timeline
@@ -385,8 +388,7 @@ class Attempts:
                 rids[0],
                 request.prompt_token_ids,
                 request.params,
-                reservation["kv_address"],
-                reservation["lease_id"],
+                reservation,
                 forks=start.forks,
             )
         except asyncio.CancelledError:
@@ -400,55 +402,21 @@ class Attempts:
         finally:
             replica.in_flight -= 1
         timeline.prefill_returned = time.monotonic()
-        timeline.worker = {
-            key: float(result.get(key, 0.0)) for key in ("wait_s", "compute_s", "transfer_finish_s")
-        }
-        for rid, token in zip(rids, _prefill_tokens(result), strict=True):
-            self.streams.signal(rid, token)
-        transfer = result.get("transfer") or {}
+        timeline.worker = result.times.to_dict()
+        for rid, first in zip(rids, result.first_tokens, strict=True):
+            self.streams.signal(
+                rid, PrefillToken(first.token_id, first.logprob, result.prompt_logprobs)
+            )
         counters = self.counters
-        counters.transfer_bytes += int(transfer.get("payload_bytes", 0) or 0)
-        counters.transfer_seconds += float(transfer.get("seconds", 0.0) or 0.0)
+        counters.transfer_bytes += result.transfer_bytes
+        counters.transfer_seconds += result.transfer_seconds
         counters.prefills += 1
-        counters.transfers += 1 if transfer else 0
+        counters.transfers += 1 if result.transferred else 0
         return result
 
     def _signal_all(self, worker_rids: list[str], event: Retry) -> None:
         for rid in worker_rids:
             self.streams.signal(rid, event)
-
-
-def _prefill_tokens(result: dict) -> list[PrefillToken]:
-    """A prefill result's first tokens: the request's, then each fork's."""
-    prompt = _prompt_logprobs(result.get("prompt_logprobs"))
-    tokens = [result["first_token"], *result.get("fork_tokens", ())]
-    logprobs = [result.get("logprob"), *result.get("fork_logprobs", ())]
-    return [
-        PrefillToken(token, None if lp is None else _logprob(lp), prompt)
-        for token, lp in zip(tokens, logprobs, strict=True)
-    ]
-
-
-def _batch(batch: dict) -> dict:
-    """A decode replica's token batch, its logprobs as TokenLogprobs."""
-    logprobs = batch.get("logprobs")
-    return {
-        "token_ids": list(batch["token_ids"]),
-        "logprobs": None if logprobs is None else [_logprob(d) for d in logprobs],
-        "prompt_logprobs": _prompt_logprobs(batch.get("prompt_logprobs")),
-        "finish_reason": batch["finish_reason"],
-        "error": batch["error"],
-    }
-
-
-def _logprob(item: dict) -> TokenLogprobs:
-    return TokenLogprobs(item["token_id"], item["logprob"], item.get("top") or {})
-
-
-def _prompt_logprobs(items: list[dict | None] | None) -> list[TokenLogprobs | None] | None:
-    if items is None:
-        return None
-    return [None if d is None else _logprob(d) for d in items]
 
 
 def _is(err: BaseException, kind: type) -> bool:

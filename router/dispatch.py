@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.sequence import Fork
 from router.backend import GenerateRequest
+from workers.messages import Reservation
 
 
 class Disaggregated:
@@ -20,9 +21,9 @@ class Disaggregated:
 
     async def reserve(
         self, handle: Any, worker_rid: str, request: GenerateRequest, forks: tuple[Fork, ...]
-    ) -> dict:
-        """KV for the prompt on a decode replica, before any prefill: the reservation
-        (``lease_id``, ``kv_address``) its prefill streams into."""
+    ) -> Reservation:
+        """KV for the prompt on a decode replica, before any prefill: the reservation its
+        prefill streams into (the router hands it on unread)."""
         return await handle.reserve.remote(
             worker_rid, request.prompt_token_ids, request.params, forks
         )
@@ -34,7 +35,7 @@ class Colocated:
 
     async def reserve(
         self, handle: Any, worker_rid: str, request: GenerateRequest, forks: tuple[Fork, ...]
-    ) -> dict:
+    ) -> Reservation:
         """The request goes to the replica's engine whole: nothing to prefill elsewhere."""
         await handle.submit.remote(worker_rid, request.prompt_token_ids, request.params, forks)
-        return {}
+        return Reservation()

@@ -253,7 +253,7 @@ class RayBackend(Backend):
     async def health(self) -> dict[str, Any]:
         decode_ready = sum(r.routable for r in self.replicas.pool(self.decode_pool))
         prefill_ready = sum(r.routable for r in self.replicas.pool("prefill"))
-        ok = decode_ready > 0 and (self.colocated or prefill_ready > 0)
+        ok = decode_ready > 0 and (not self.dispatch.has_prefill_pool or prefill_ready > 0)
         return {
             "status": "ok" if ok else "degraded",
             "mode": "colocated" if self.colocated else "disaggregated",

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from engine.sequence import TokenLogprobs
 from router.replicas import ReplicaSet
+from workers.messages import TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ class PrefillToken:
 
     token_id: int
     logprob: TokenLogprobs | None
-    prompt_logprobs: list[TokenLogprobs | None] | None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None
 
 
-Event = Retry | PrefillToken | dict  # dict: a decode replica's token batch (its outbox)
+Event = Retry | PrefillToken | TokenBatch
 
 
 class TokenStreams:
@@ -95,7 +95,7 @@ class TokenStreams:
             if replica is None:
                 return
             try:
-                batches: dict[str, Any] = await replica.handle.poll.remote(POLL_TIMEOUT_S)
+                batches: dict[str, TokenBatch] = await replica.handle.poll.remote(POLL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - the actor died or is unreachable

@@ -41,8 +41,8 @@ def collect(decode: DecodeWorker, request_id: str) -> list[int]:
     while time.monotonic() < deadline:
         delta = decode.poll(0.05).get(request_id)
         if delta is not None:
-            tokens += delta["token_ids"]
-            if delta["finish_reason"]:
+            tokens += delta.token_ids
+            if delta.finish_reason:
                 return tokens
     raise AssertionError(f"{request_id} did not finish")
 
@@ -53,8 +53,8 @@ def collect_all(decode: DecodeWorker, request_ids: list[str]) -> dict[str, list[
     deadline = time.monotonic() + 30
     while unfinished and time.monotonic() < deadline:
         for request_id, delta in decode.poll(0.05).items():
-            tokens[request_id] += delta["token_ids"]
-            if delta["finish_reason"]:
+            tokens[request_id] += delta.token_ids
+            if delta.finish_reason:
                 unfinished.discard(request_id)
     assert not unfinished, f"{unfinished} did not finish"
     return tokens
@@ -82,15 +82,13 @@ def test_a_long_prompt_streams_its_kv_chunk_by_chunk(workers):
     sender = prefill._sender(decode.info()["kv_address"])
     sender.open = spy(sender.open)
     reservation = decode.reserve("long", prompt, GREEDY)
-    result = prefill.prefill(
-        "long", prompt, GREEDY, reservation["kv_address"], reservation["lease_id"]
-    )
+    result = prefill.prefill("long", prompt, GREEDY, reservation)
     tokens = collect(decode, "long")
     assert (
         tokens
         == LLM("tiny", num_kv_blocks=64, progress=False).generate([prompt], GREEDY)[0].token_ids
     )
-    assert tokens[0] == result["first_token"]
+    assert tokens[0] == result.first_token
     layer0 = [(start, n) for layer, start, n in sent if layer == 0]
     assert len(layer0) >= 4  # one send per chunk, not one at the end
     assert sum(n for _, n in layer0) == -(-len(prompt) // 16)
@@ -104,13 +102,11 @@ def test_a_transfer_lands_while_decode_steps_continuously(workers):
     for i in range(8):  # keep the decode engine stepping the whole time
         prompt = [(i * 7 + j) % 250 + 3 for j in range(20)]
         reservation = decode.reserve(f"busy-{i}", prompt, busy)
-        prefill.prefill(
-            f"busy-{i}", prompt, busy, reservation["kv_address"], reservation["lease_id"]
-        )
+        prefill.prefill(f"busy-{i}", prompt, busy, reservation)
     prompt = [(j * 5) % 250 + 3 for j in range(90)]
     started = time.monotonic()
     reservation = decode.reserve("probe", prompt, GREEDY)
-    prefill.prefill("probe", prompt, GREEDY, reservation["kv_address"], reservation["lease_id"])
+    prefill.prefill("probe", prompt, GREEDY, reservation)
     assert collect(decode, "probe") == llm.generate([prompt], GREEDY)[0].token_ids
     assert time.monotonic() - started < 10
     for i in range(8):
@@ -128,10 +124,8 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
     reservation = decode.reserve("f-0", prompt, seeded[0], forks)
     assert decode.stats()["pending_sequences"] == 3
     assert decode.cancel("f-0")  # the request itself: its forks still decode
-    result = prefill.prefill(
-        "f-0", prompt, seeded[0], reservation["kv_address"], reservation["lease_id"], forks=forks
-    )
-    assert len(result["fork_tokens"]) == 2
+    result = prefill.prefill("f-0", prompt, seeded[0], reservation, forks=forks)
+    assert len(result.first_tokens) == 3
     llm = LLM("tiny", num_kv_blocks=64, progress=False)
     tokens = collect_all(decode, ["f-0", "f-1", "f-2"])
     assert tokens["f-0"] == []  # cancelled
@@ -149,8 +143,7 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
             "g-0",
             prompt,
             seeded[0],
-            reservation["kv_address"],
-            reservation["lease_id"],
+            reservation,
             forks=(Fork("g-1", seeded[1]),),
         )
     stats = decode.stats()

@@ -16,6 +16,7 @@ from router.backend import GenerateRequest, Overloaded, RequestRejected
 from router.config import RouterLimits
 from router.ray_backend import RayBackend
 from router.timeline import RequestTimeline
+from workers.messages import FirstToken, PrefillResult, Reservation, TokenBatch
 
 
 class _Method:
@@ -54,7 +55,7 @@ class FakeDecode:
             raise NoCapacityError("full")
         self.reserved.append(rid)
         self.left[rid] = params.max_tokens
-        return {"kv_address": "fake:0", "lease_id": rid}
+        return Reservation(lease_id=rid, kv_address="fake:0")
 
     async def _poll(self, timeout_s: float) -> dict:
         await asyncio.sleep(0.005)
@@ -62,12 +63,7 @@ class FakeDecode:
         for rid in [r for r in self.left if r in self.prefilled]:
             self.left[rid] -= 1
             done = self.left[rid] == 0
-            out[rid] = {
-                "token_ids": [65],
-                "logprobs": None,
-                "finish_reason": "length" if done else None,
-                "error": None,
-            }
+            out[rid] = TokenBatch(token_ids=(65,), finish_reason="length" if done else None)
             if done:
                 del self.left[rid]
         return out
@@ -86,10 +82,10 @@ class FakePrefill:
         self.cancel = _Method(self._cancel)
         self.stats = _Method(self._stats)
 
-    async def _prefill(self, rid, prompt, params, kv_address, lease_id, forks=()) -> dict:
+    async def _prefill(self, rid, prompt, params, reservation, forks=()) -> PrefillResult:
         await asyncio.sleep(0.001)
         self.decode.prefilled.add(rid)
-        return {"first_token": 65, "transfer": {}}
+        return PrefillResult(first_tokens=(FirstToken(65),), transferred=False)
 
     async def _cancel(self, rid: str) -> bool:
         return False

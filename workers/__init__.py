@@ -1,0 +1,1 @@
+"""What the worker actors share with the router: their messages."""
