@@ -5,8 +5,9 @@ Starts its own local cluster (2 prefill + 2 decode actors of the default model b
 ``--model`` or ``--config`` for others), sends a steady stream of greedy streaming requests
 whose exact token sequence is known in advance (from the offline engine), and every
 ``--kill-interval`` seconds kills a random worker actor with Ray's ``ray.kill`` (no
-restart: the controller must replace it). Afterwards it waits for the cluster to go idle
-and prints:
+restart: the controller must replace it). Its clients (``--concurrency``, one request at a
+time each) do what clients of a 429 do: wait its Retry-After before the next request.
+Afterwards it waits for the cluster to go idle and prints:
 
 - sent, completed, failed with a clear error (an error event or status), lost (no answer by
   the deadline, or a broken connection without an error) — lost must be 0;
@@ -89,8 +90,13 @@ async def _one(
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     report.failed_clear += 1
-                    key = f"http {response.status_code}"
+                    await response.aread()
+                    reason = _error_message(response)
+                    key = f"http {response.status_code}" + (f" ({reason})" if reason else "")
                     report.errors[key] = report.errors.get(key, 0) + 1
+                    if response.status_code == 429:  # as clients do: come back when told
+                        retry_after = float(response.headers.get("retry-after", 1.0))
+                        await asyncio.sleep(min(retry_after, max(0.0, deadline - time.monotonic())))
                     return
                 finish, error = None, None
                 async for line in response.aiter_lines():
@@ -116,6 +122,15 @@ async def _one(
         report.lost += 1
         key = type(err).__name__
         report.errors[key] = report.errors.get(key, 0) + 1
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The first words of an error response's message (what kind of refusal it was)."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return " ".join(message.split()[:5])
 
 
 async def _load(
