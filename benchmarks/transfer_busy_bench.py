@@ -18,7 +18,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.named_models import DEFAULT_MODEL
 from engine.sampling_params import SamplingParams
-from engine.worker_options import KVTransferOptions, WorkerOptions
+from workers.options import KVTransferOptions, WorkerOptions
 from kv_transfer import KVSender
 
 TOKEN = "bench-busy-token"

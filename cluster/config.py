@@ -13,7 +13,7 @@ import yaml
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.named_models import DEFAULT_MODEL
-from engine.worker_options import KVTransferOptions, WorkerOptions
+from workers.options import KVTransferOptions, WorkerOptions
 from router.config import RouterConfig, RouterLimits
 
 

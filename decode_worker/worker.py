@@ -25,14 +25,13 @@ import torch
 
 from decode_worker.outbox import TokenOutbox
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, StepResult
+from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Fork
-from engine.serving_loop import ServingLoop
-from engine.worker_options import WorkerOptions
 from kv_transfer.errors import LeaseError, NoCapacityError
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.receiver import KVReceiverServer
+from workers.base import WorkerBase
 from workers.messages import Reservation, TokenBatch
 
 logger = logging.getLogger(__name__)
@@ -54,20 +53,15 @@ class PendingRequest:
         self.slots = {m.request_id: i for i, m in enumerate(self.members)}
 
 
-class EngineWorker:
-    """What decode and colocated workers share: an engine on a loop thread, an outbox."""
+class EngineWorker(WorkerBase):
+    """What decode and colocated workers share: a worker whose tokens go to an outbox that
+    the router polls."""
 
     def __init__(self, options: dict, name: str, intake=None) -> None:
-        self.options = WorkerOptions.from_dict(options)
-        if self.options.torch_threads:
-            torch.set_num_threads(self.options.torch_threads)
-        self.name = name
-        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
         self.outbox = TokenOutbox()
-        self.loop = ServingLoop(
-            self.engine, self._publish, on_error=self._fail_all, intake=intake, name=name
+        super().__init__(
+            options, name, on_result=self._publish, on_error=self._fail_all, intake=intake
         )
-        self.started_at = time.time()
 
     def _publish(self, result: StepResult) -> None:
         for request_id, entries in result.prompt_logprobs.items():
@@ -98,34 +92,6 @@ class EngineWorker:
         if found:
             self.outbox.finish(request_id, "abort")
         return found
-
-    def engine_stats(self) -> dict:
-        with self.loop.lock:
-            load = self.engine.load()
-        return {
-            "name": self.name,
-            **load,
-            "steps": self.loop.steps,
-            "busy_s": self.loop.busy_s,
-            "uptime_s": time.time() - self.started_at,
-        }
-
-    def calibrate(self) -> dict:
-        """Measure this replica's capacity (briefly holds the engine: call at start-up)."""
-        from engine.calibration import measure_capacity
-
-        with self.loop.lock:
-            capacity = measure_capacity(self.engine)
-            bm = self.engine.block_manager
-            capacity["max_num_seqs"] = self.engine.config.max_num_seqs
-            capacity["kv_tokens"] = bm.num_blocks * bm.block_size
-        return capacity
-
-    def info(self) -> dict:
-        return {"name": self.name, "model": self.options.model, **self.engine.describe()}
-
-    def shutdown(self) -> None:
-        self.loop.stop()
 
 
 class DecodeWorker(EngineWorker):

@@ -54,7 +54,7 @@ class StepCost:
 
     @classmethod
     def from_calibration(cls, capacity: dict) -> StepCost:
-        """From ``engine.calibration.measure_capacity``'s result."""
+        """From ``workers.calibration.measure_capacity``'s result."""
         return cls(
             base_s=capacity["decode_step_s_base"],
             per_seq_s=capacity["decode_step_s_per_seq"],

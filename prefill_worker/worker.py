@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import EngineError
-from engine.llm_engine import LLMEngine, StepResult
+from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Fork, TokenLogprobs
-from engine.serving_loop import ServingLoop
-from engine.worker_options import WorkerOptions
 from kv_transfer.sender import KVSender, TransferStream
+from workers.base import WorkerBase
 from workers.messages import FirstToken, PrefillResult, PrefillTimes, Reservation
 
 logger = logging.getLogger(__name__)
@@ -54,40 +53,24 @@ class PrefillJob:
     computed: float | None = None  # its first token was sampled
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     def __init__(self, options: dict, name: str = "prefill-0") -> None:
-        self.options = WorkerOptions.from_dict(options)
-        if self.options.torch_threads:
-            torch.set_num_threads(self.options.torch_threads)
-        self.name = name
-        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
         self.jobs: dict[str, PrefillJob] = {}
         self.senders: dict[str, KVSender] = {}
         self._senders_lock = threading.Lock()
-        self.loop = ServingLoop(
-            self.engine,
-            self._on_result,
-            on_error=self._fail_all,
-            layer_hook=self._layer_hook,
-            name=name,
-        )
         self.completed = 0
         self.failed = 0
         self.transfer_seconds = 0.0
-        self.started_at = time.time()
+        super().__init__(
+            options,
+            name,
+            on_result=self._on_result,
+            on_error=self._fail_all,
+            layer_hook=self._layer_hook,
+        )
         self.loop.start()
 
     # ---- Ray-facing API ---------------------------------------------------------------
-    def info(self) -> dict:
-        return {"name": self.name, "model": self.options.model, **self.engine.describe()}
-
-    def calibrate(self) -> dict:
-        """Measure this replica's prefill throughput (call at start-up, before traffic)."""
-        from engine.calibration import measure_capacity
-
-        with self.loop.lock:
-            return measure_capacity(self.engine)
-
     def prefill(
         self,
         request_id: str,
@@ -182,24 +165,17 @@ class PrefillWorker:
 
     def stats(self) -> dict:
         with self.loop.lock:
-            load = self.engine.load()
-            running = len(
-                {id(job) for job in self.jobs.values()}
-            )  # prompts in flight, transfer included
+            stats = self.engine_stats()
+            stats["running"] = len({id(job) for job in self.jobs.values()})  # transfers too
         return {
-            "name": self.name,
-            **load,
-            "running": running,
+            **stats,
             "completed": self.completed,
             "failed": self.failed,
             "transfer_seconds": self.transfer_seconds,
-            "steps": self.loop.steps,
-            "busy_s": self.loop.busy_s,
-            "uptime_s": time.time() - self.started_at,
         }
 
     def shutdown(self) -> None:
-        self.loop.stop()
+        super().shutdown()
         with self._senders_lock:
             for sender in self.senders.values():
                 sender.close()

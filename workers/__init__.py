@@ -1,1 +1,2 @@
-"""What the worker actors share with the router: their messages."""
+"""What the worker actors share: their base (an engine on its serving loop), options, and
+the messages they return to the router."""

@@ -12,7 +12,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.sequence import Fork
-from engine.worker_options import KVTransferOptions, WorkerOptions
+from workers.options import KVTransferOptions, WorkerOptions
 from prefill_worker.worker import PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

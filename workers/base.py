@@ -1,0 +1,75 @@
+"""What every worker actor is: an engine on its serving loop, with the Ray-facing calls they
+all answer (info, calibrate, stats, shutdown).
+
+Subclasses give the loop its callbacks: ``on_result`` for each step's tokens, ``on_error``
+when a step fails (end every request it held, with the error), and optionally a layer hook
+or an intake (workers/serving_loop.py), then call ``self.loop.start()`` once ready.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.llm_engine import LLMEngine, StepResult
+from workers.options import WorkerOptions
+from workers.serving_loop import LayerHook, ServingLoop
+
+
+class WorkerBase:
+    def __init__(
+        self,
+        options: dict,
+        name: str,
+        *,
+        on_result: Callable[[StepResult], None],
+        on_error: Callable[[Exception], None],
+        layer_hook: LayerHook | None = None,
+        intake: Callable[[], None] | None = None,
+    ) -> None:
+        self.options = WorkerOptions.from_dict(options)
+        if self.options.torch_threads:
+            torch.set_num_threads(self.options.torch_threads)
+        self.name = name
+        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
+        self.loop = ServingLoop(
+            self.engine,
+            on_result,
+            on_error=on_error,
+            layer_hook=layer_hook,
+            intake=intake,
+            name=name,
+        )
+        self.started_at = time.time()
+
+    def info(self) -> dict:
+        return {"name": self.name, "model": self.options.model, **self.engine.describe()}
+
+    def calibrate(self) -> dict:
+        """Measure this replica's capacity (briefly holds the engine: call at start-up,
+        before traffic)."""
+        from workers.calibration import measure_capacity
+
+        with self.loop.lock:
+            capacity = measure_capacity(self.engine)
+            bm = self.engine.block_manager
+            capacity["max_num_seqs"] = self.engine.config.max_num_seqs
+            capacity["kv_tokens"] = bm.num_blocks * bm.block_size
+        return capacity
+
+    def engine_stats(self) -> dict:
+        """The engine's load and the loop's counters (the base of every worker's stats)."""
+        with self.loop.lock:
+            load = self.engine.load()
+        return {
+            "name": self.name,
+            **load,
+            "steps": self.loop.steps,
+            "busy_s": self.loop.busy_s,
+            "uptime_s": time.time() - self.started_at,
+        }
+
+    def shutdown(self) -> None:
+        self.loop.stop()
