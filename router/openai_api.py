@@ -31,6 +31,7 @@ from router.backend import Backend, GenerateRequest
 from router.config import RouterConfig
 from router.errors import APIError, bad_request
 from router.generation import (
+    GenerationStats,
     TextDelta,
     generate_text,
     new_request_id,
@@ -270,8 +271,16 @@ class OpenAIServer:
                 else [self.backend.generate(choices[0])]
             )
             streams += [
-                generate_text(self.backend, r, self.metrics, api, stream=t)
-                for r, t in zip(choices, tokens, strict=True)
+                # the prompt's tokens are counted once, with its first choice
+                generate_text(
+                    self.backend,
+                    r,
+                    self.metrics,
+                    api,
+                    GenerationStats(len(r.prompt_token_ids) if i == 0 else 0),
+                    stream=t,
+                )
+                for i, (r, t) in enumerate(zip(choices, tokens, strict=True))
             ]
         try:
             if prep.stream:

@@ -70,3 +70,16 @@ def test_cancelled_requests_are_counted(router, backend):
     assert (
         _value(text, 'pdcluster_router_requests_total{api="completions",status="cancelled"}') >= 1
     )
+
+
+def test_a_prompt_with_n_choices_counts_its_tokens_once(router, backend):
+    before = httpx.get(f"{router.url}/metrics").text
+    body = {"prompt": "hi", "max_tokens": 4, "n": 3}
+    response = httpx.post(f"{router.url}/v1/completions", json=body)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    text = httpx.get(f"{router.url}/metrics").text
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    delta = _value(text, "pdcluster_router_prompt_tokens_total") - _value(
+        before, "pdcluster_router_prompt_tokens_total"
+    )
+    assert delta == prompt_tokens
