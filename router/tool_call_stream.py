@@ -5,11 +5,10 @@ functions: no I/O.
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
 from typing import Any
 
+from router.json_reader import WHITESPACE, JsonValue, Malformed, StringReader, render_object
 from router.tool_calls import ToolUse
 
 
@@ -40,7 +39,6 @@ def parse_tool_calls(text: str, use: ToolUse) -> list[dict[str, Any]] | None:
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_WS = " \t\n\r"  # JSON's whitespace
 _ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
 
 
@@ -103,7 +101,7 @@ class ToolCallStream:
     def finish(self) -> list[dict[str, Any]]:
         """At the answer's end: what is still held back, as content (only whitespace after a
         call is dropped)."""
-        if not (self.num_calls and not self._held.strip(_WS)):
+        if not (self.num_calls and not self._held.strip(WHITESPACE)):
             self._send(self._held)
         self._held = ""
         return self._take()
@@ -111,7 +109,7 @@ class ToolCallStream:
     # ---- the modes: each reads from ``text`` while it lasts, returns what it did not read
     def _between(self, text: str) -> str:
         for i, ch in enumerate(text):
-            tag = self._held.lstrip(_WS) + ch
+            tag = self._held.lstrip(WHITESPACE) + ch
             if _OPEN.startswith(tag) or (self._closing and _CLOSE.startswith(tag)):
                 self._held += ch
                 if tag == _OPEN:
@@ -119,7 +117,7 @@ class ToolCallStream:
                     return text[i + 1 :]
                 if tag == _CLOSE:
                     self._held, self._closing = "", False
-            elif tag == ch and ch in _WS:
+            elif tag == ch and ch in WHITESPACE:
                 self._held += ch
             elif tag == ch and ch in "{[":
                 self._start_json(ch, tagged=False)
@@ -147,7 +145,7 @@ class ToolCallStream:
             if ch in "{[":
                 self._start_json(ch, tagged=True)
                 return text[i + 1 :]
-            if ch not in _WS:
+            if ch not in WHITESPACE:
                 self._to_content()
                 return text[i:]
             self._held += ch
@@ -157,7 +155,7 @@ class ToolCallStream:
         for i, ch in enumerate(text):
             try:
                 settled = self._json_char(ch)
-            except _Malformed:  # not (or no longer) a call: what it held back is content
+            except Malformed:  # not (or no longer) a call: what it held back is content
                 self._call = self._index = None
                 self._to_content()
                 return text[i:]
@@ -177,7 +175,7 @@ class ToolCallStream:
     def _json_char(self, ch: str) -> bool:
         call = self._call
         if call is None:  # in a list, between its calls
-            if ch in _WS:
+            if ch in WHITESPACE:
                 return False
             if ch == "{" and self._list_state == "item":
                 self._call = _Call(self._names)
@@ -188,7 +186,7 @@ class ToolCallStream:
             if ch == "]" and self._list_state == "next":
                 self._end_json()
                 return True
-            raise _Malformed
+            raise Malformed
         settled = call.step(ch)
         if self._index is None and call.name is not None:
             self._index = self.num_calls
@@ -245,15 +243,11 @@ class ToolCallStream:
         return out
 
 
-class _Malformed(Exception):
-    """The text read is not (the start of) what was expected."""
-
-
 class _Call:
     """A call object's text after its ``{``, a character at a time: ``name`` (set at its
     closing quote, if an offered tool's), ``arguments`` or ``parameters`` (an object, or a
     string holding one; ``{}`` when absent), other members read and ignored. ``step`` raises
-    _Malformed where the text stops being one."""
+    Malformed where the text stops being one."""
 
     def __init__(self, names: frozenset[str]) -> None:
         self.name: str | None = None
@@ -264,8 +258,8 @@ class _Call:
         self._state = "first_key"
         self._key = ""
         self._text = ""  # the key, name or arguments string being read
-        self._string: _StringReader | None = None
-        self._value: _JsonValue | None = None  # the arguments object, or an ignored value
+        self._string: StringReader | None = None
+        self._value: JsonValue | None = None  # the arguments object, or an ignored value
 
     def take(self) -> str:
         """The arguments' rendering since the last take."""
@@ -283,16 +277,16 @@ class _Call:
             text, self._text, self._string = self._text, "", None
             if state == "key":
                 if text in self._seen or (text in _ARGUMENT_KEYS and self._seen & _ARGUMENT_KEYS):
-                    raise _Malformed  # which one would be meant is a guess
+                    raise Malformed  # which one would be meant is a guess
                 self._seen.add(text)
                 self._key, self._state = text, "colon"
                 return False
             if state == "name":
                 if text not in self._names:
-                    raise _Malformed  # not a call to an offered tool
+                    raise Malformed  # not a call to an offered tool
                 self.name = text
             else:
-                self._rendered.append(_render_object(text))
+                self._rendered.append(render_object(text))
             self._state = "next"
             return True
         if state in ("arguments", "other"):
@@ -303,14 +297,14 @@ class _Call:
                 return False if consumed else self.step(ch)
             self._rendered.append(self._value.take())
             return not self._value.pending
-        if ch in _WS:
+        if ch in WHITESPACE:
             return False
         if state in ("first_key", "key_start") and ch == '"':
-            self._string, self._state = _StringReader(), "key"
+            self._string, self._state = StringReader(), "key"
             return False
         if state in ("first_key", "next") and ch == "}":
             if self.name is None:
-                raise _Malformed
+                raise Malformed
             if not self._seen & _ARGUMENT_KEYS:
                 self._rendered.append("{}")
             self.done, self._state = True, "done"
@@ -323,207 +317,15 @@ class _Call:
             return False
         if state == "value":
             if self._key == "name" and ch == '"':
-                self._string, self._state = _StringReader(), "name"
+                self._string, self._state = StringReader(), "name"
                 return False
             if self._key in _ARGUMENT_KEYS and ch == '"':
-                self._string, self._state = _StringReader(), "arguments_string"
+                self._string, self._state = StringReader(), "arguments_string"
                 return False
             if self._key in _ARGUMENT_KEYS and ch == "{":
-                self._value, self._state = _JsonValue(), "arguments"
+                self._value, self._state = JsonValue(), "arguments"
                 return self.step(ch)
             if self._key not in _ARGUMENT_KEYS and self._key != "name":
-                self._value, self._state = _JsonValue(), "other"
+                self._value, self._state = JsonValue(), "other"
                 return self.step(ch)
-        raise _Malformed
-
-
-def _render_object(text: str) -> str:
-    """The JSON object ``text`` holds, rendered as json.dumps(..., ensure_ascii=False) would."""
-    body = text.strip(_WS)
-    if not body.startswith("{"):
-        raise _Malformed
-    value = _JsonValue()
-    for ch in body:
-        value.step(ch)
-    if not value.done:
-        raise _Malformed
-    return value.take()
-
-
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_NUMBER_CHARS = frozenset("0123456789+-.eE")
-_LITERALS = ("true", "false", "null")
-
-
-class _JsonValue:
-    """One JSON value's text, a character at a time, rendered piece by piece as
-    json.dumps(value, ensure_ascii=False) renders it, each piece once certain (the rule is
-    in ToolCallStream's docstring). ``step`` raises _Malformed where the text stops being
-    JSON."""
-
-    def __init__(self) -> None:
-        self.done = False
-        self._out: list[str] = []
-        self._stack: list[set[str] | None] = []  # open containers: an object's keys, None: a list
-        self._state = "value"
-        self._token = ""  # the raw text of the number, literal or key being read
-        self._key = ""  # that key's text, decoded
-        self._string: _StringReader | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether some text read is not rendered yet."""
-        return bool(self._token) or (self._string is not None and bool(self._string.escape))
-
-    def take(self) -> str:
-        text = "".join(self._out)
-        self._out.clear()
-        return text
-
-    def step(self, ch: str) -> bool:
-        """Read ``ch``; False when it is not part of the value (it ended a lone number)."""
-        state = self._state
-        if state == "string":
-            text = self._string.step(ch)
-            if text:
-                self._out.append(json.dumps(text, ensure_ascii=False)[1:-1])
-            if self._string.closed:
-                self._out.append('"')
-                self._string = None
-                self._end_value()
-            return True
-        if state == "key":
-            self._token += ch
-            self._key += self._string.step(ch)
-            if self._string.closed:
-                keys = self._stack[-1]
-                if self._key in keys:
-                    raise _Malformed
-                keys.add(self._key)
-                self._out.append(json.dumps(self._key, ensure_ascii=False))
-                self._token, self._key, self._string, self._state = "", "", None, "colon"
-            return True
-        if state == "number":
-            if ch in _NUMBER_CHARS:
-                self._token += ch
-                return True
-            if not _NUMBER.fullmatch(self._token):
-                raise _Malformed
-            self._out.append(json.dumps(json.loads(self._token)))
-            self._token = ""
-            self._end_value()
-            return not self.done and self.step(ch)
-        if state == "literal":
-            self._token += ch
-            if not any(word.startswith(self._token) for word in _LITERALS):
-                raise _Malformed
-            if self._token in _LITERALS:
-                self._out.append(self._token)
-                self._token = ""
-                self._end_value()
-            return True
-        if state == "done":
-            raise _Malformed
-        if ch in _WS:
-            return True
-        if state == "value" or (state == "first_item" and ch != "]"):
-            self._start(ch)
-        elif state in ("first_key", "key_start") and ch == '"':
-            self._token, self._string, self._state = ch, _StringReader(), "key"
-        elif state == "colon" and ch == ":":
-            self._out.append(": ")
-            self._state = "value"
-        elif state == "next" and ch == ",":
-            self._out.append(", ")
-            self._state = "value" if self._stack[-1] is None else "key_start"
-        elif (
-            (state == "first_item" and ch == "]")
-            or (state == "first_key" and ch == "}")
-            or (state == "next" and ch == ("]" if self._stack[-1] is None else "}"))
-        ):
-            self._out.append(ch)
-            self._stack.pop()
-            self._end_value()
-        else:
-            raise _Malformed
-        return True
-
-    def _start(self, ch: str) -> None:
-        if ch == "{":
-            self._stack.append(set())
-            self._state = "first_key"
-        elif ch == "[":
-            self._stack.append(None)
-            self._state = "first_item"
-        elif ch == '"':
-            self._string, self._state = _StringReader(), "string"
-        elif ch in "-0123456789":
-            self._token, self._state = ch, "number"
-            return
-        elif ch in "tfn":
-            self._token, self._state = ch, "literal"
-            return
-        else:
-            raise _Malformed
-        self._out.append(ch)
-
-    def _end_value(self) -> None:
-        self.done = not self._stack
-        self._state = "done" if self.done else "next"
-
-
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-_HEX = frozenset("0123456789abcdefABCDEF")
-
-
-class _StringReader:
-    """A JSON string's text after its opening quote, a character at a time, decoded as
-    json.loads decodes it: ``step`` returns the text that became certain (an escape once
-    complete; a high surrogate's once it is known whether a low one follows to pair with);
-    ``closed`` at the closing quote. Raises _Malformed where it stops being a string."""
-
-    def __init__(self) -> None:
-        self.escape = ""  # an escape begun, not yet decoded
-        self.closed = False
-
-    def step(self, ch: str) -> str:
-        if not self.escape:
-            if ch == '"':
-                self.closed = True
-                return ""
-            if ch == "\\":
-                self.escape = ch
-                return ""
-            if ch < " ":
-                raise _Malformed  # control characters must be escaped
-            return ch
-        self.escape += ch
-        return self._decode()
-
-    def _decode(self) -> str:
-        e = self.escape
-        if e[1] != "u":
-            if e[1] not in _ESCAPES:
-                raise _Malformed
-            self.escape = ""
-            return _ESCAPES[e[1]]
-        if not _HEX.issuperset(e[2:6]):
-            raise _Malformed
-        if len(e) < 6:
-            return ""
-        code = int(e[2:6], 16)
-        if not 0xD800 <= code < 0xDC00:
-            self.escape = ""
-            return chr(code)
-        rest = e[6:]  # after a high surrogate
-        if rest in ("", "\\"):
-            return ""
-        if rest.startswith("\\u") and _HEX.issuperset(rest[2:]):
-            if len(rest) < 6:
-                return ""
-            low = int(rest[2:], 16)
-            if 0xDC00 <= low < 0xE000:
-                self.escape = ""
-                return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00))
-        self.escape = ""  # a lone surrogate, kept as json.loads keeps it; the rest read anew
-        return chr(code) + "".join(self.step(c) for c in rest)
+        raise Malformed
