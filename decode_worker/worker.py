@@ -47,7 +47,7 @@ class PendingRequest:
     prompt_token_ids: list[int]
     members: list[Fork]  # not cancelled, in reservation order
     lease_id: str
-    slots: dict[str, int] = field(default_factory=dict)  # member → its first token's index
+    slots: dict[str, int] = field(init=False)  # member → its first token's index
 
     def __post_init__(self) -> None:
         self.slots = {m.request_id: i for i, m in enumerate(self.members)}
@@ -171,9 +171,8 @@ class DecodeWorker(EngineWorker):
     def _pop_pending(self, request_id: str) -> PendingRequest | None:
         """Take a pending request (by its lease's request id) off the books, forks and all."""
         pending = self.pending.pop(request_id, None)
-        for fork in list(self._member_of):
-            if self._member_of[fork] == request_id:
-                del self._member_of[fork]
+        for member in pending.members if pending is not None else ():
+            self._member_of.pop(member.request_id, None)  # (cancelled ones left it already)
         return pending
 
     def _arrive(self, lease: Lease) -> None:

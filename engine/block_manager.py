@@ -141,14 +141,12 @@ class BlockManager:
     def is_shared(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_count > 1
 
-    def copy_on_write(self, table: list[int], index: int) -> tuple[int, int] | None:
-        """Before writing into ``table[index]``: if another table shares it, give this one a
-        fresh block instead and return (source, destination) for the caller to copy; None if
-        the block is already its own. Raises EngineError when no block is free."""
+    def copy_on_write(self, table: list[int], index: int) -> tuple[int, int]:
+        """Before writing into ``table[index]``, a block another table shares (``is_shared``):
+        give this table a fresh block instead and return (source, destination) for the
+        caller to copy. Raises EngineError when no block is free."""
         block_id = table[index]
         block = self.blocks[block_id]
-        if block.ref_count == 1:
-            return None
         if not self.num_free_blocks:
             raise EngineError("KV cache full: no block free for a copy-on-write")
         fresh = self._allocate_fresh()

@@ -356,7 +356,6 @@ class LLMEngine:
         )
         self._requests[seq.request_id] = seq
         self._prompts[seq.request_id] = None
-        seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)
         group = [seq, *(self._spawn(seq, fork) for fork, _ in forks)]
         result = StepResult([], [])

@@ -44,13 +44,16 @@ class PrefillJob:
     done: threading.Event = field(default_factory=threading.Event)
     first_tokens: dict[str, FirstToken] = field(default_factory=dict)  # member → its first
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-    unfinished: set[str] = field(default_factory=set)
+    unfinished: set[str] = field(init=False)  # members whose first token is still to come
     num_cached_tokens: int = 0
     blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
     scheduled: float | None = None  # its first chunk's step began
     computed: float | None = None  # its first token was sampled
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.members)
 
 
 class PrefillWorker(WorkerBase):
@@ -100,7 +103,7 @@ class PrefillWorker(WorkerBase):
             engine.cache.dtype,
         )
         members = [request_id, *(f.request_id for f in forks)]
-        job = PrefillJob(request_id, stream, members, unfinished=set(members))
+        job = PrefillJob(request_id, stream, members)
         with self.loop.lock:
             try:
                 seq = engine.add_request(

@@ -295,13 +295,18 @@ async def generate_text(
             metrics.observe_request(request.arrival_time, first, last, stats.num_output_tokens)
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token's text as the logprob formats show it (special tokens included)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def logprob_entries(
     tokenizer: Any, logprobs: Sequence[TokenLogprobs]
 ) -> list[tuple[str, float, list[tuple[str, float]]]]:
     """(token text, logprob, [(top token text, logprob)]) per token, for the API formats."""
 
     def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_text(tokenizer, token_id)
 
     return [
         (

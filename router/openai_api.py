@@ -265,11 +265,7 @@ class OpenAIServer:
         streams = []
         for first in range(0, len(prep.requests), prep.n):  # the n choices of each prompt
             choices = prep.requests[first : first + prep.n]
-            tokens = (
-                self.backend.generate_forks(choices)
-                if len(choices) > 1
-                else [self.backend.generate(choices[0])]
-            )
+            tokens = self.backend.generate_forks(choices)
             streams += [
                 # the prompt's tokens are counted once, with its first choice
                 generate_text(

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from engine.sequence import TokenLogprobs
 from router.backend import GenerateRequest
-from router.generation import TextDelta, logprob_entries
+from router.generation import TextDelta, logprob_entries, token_text
 from router.tool_call_stream import ToolCallStream, tool_answer
 from router.tool_calls import ToolUse
 
@@ -74,13 +74,25 @@ class ResponseFormat:
                 delta.prompt_logprobs if is_first else None,
             )
         ]
+        self.chunk_extras(out, prep, index, is_first, delta.timings)
+        return out
+
+    @staticmethod
+    def chunk_extras(
+        out: dict[str, Any],
+        prep: Prepared,
+        index: int,
+        is_first: bool,
+        timings: dict[str, float] | None,
+    ) -> None:
+        """What a stream chunk carries besides its choice: usage (null until the usage
+        chunk), the prompt's token ids on the first, the timings on the last."""
         if prep.include_usage:
             out["usage"] = None
         if prep.return_token_ids and is_first:
             out["prompt_token_ids"] = prep.requests[index].prompt_token_ids
-        if prep.return_timings and delta.timings:
-            out["timings_ms"] = _milliseconds(delta.timings)
-        return out
+        if prep.return_timings and timings:
+            out["timings_ms"] = _milliseconds(timings)
 
     def tool_stream(self, prep: Prepared, index: int) -> ToolChunks:
         """Choice ``index`` of a streamed chat answer with tools offered, as chunks."""
@@ -191,11 +203,7 @@ class ResponseFormat:
             offset = 0
             for token_id, entry in zip(prompt_ids, prompt_logprobs, strict=True):
                 if entry is None:
-                    tok, lp, top = (
-                        self.tokenizer.decode([token_id], skip_special_tokens=False),
-                        None,
-                        None,
-                    )
+                    tok, lp, top = token_text(self.tokenizer, token_id), None, None
                 else:
                     ((tok, lp, pairs),) = logprob_entries(self.tokenizer, [entry])
                     top = dict(pairs)
@@ -260,12 +268,7 @@ class ToolChunks:
         if prep.return_token_ids:
             choice["token_ids"] = self._token_ids
         out["choices"] = [choice]
-        if prep.include_usage:
-            out["usage"] = None
-        if prep.return_token_ids and self._first:
-            out["prompt_token_ids"] = prep.requests[self._index].prompt_token_ids
-        if prep.return_timings and timings:
-            out["timings_ms"] = _milliseconds(timings)
+        self._format.chunk_extras(out, prep, self._index, self._first, timings)
         self._token_ids, self._logprobs, self._first = [], [], False
         return out
 
