@@ -16,10 +16,12 @@ import torch
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.kv_cache import PagedKVCache
 from engine.named_models import DEFAULT_MODEL
 from engine.sampling_params import SamplingParams
-from workers.options import KVTransferOptions, WorkerOptions
-from kv_transfer import KVSender
+from kv_transfer.connector import KVSendSide, transport
+from kv_transfer.options import KVTransferOptions
+from workers.options import WorkerOptions
 
 TOKEN = "bench-busy-token"
 
@@ -38,45 +40,39 @@ class BenchDecodeWorker(DecodeWorker):
             time.sleep(0.05)
 
     def shape(self) -> dict:
-        cache, config = self.engine.cache, self.engine.model_config
+        cache = self.engine.cache
         return {
-            "fingerprint": config.fingerprint(),
+            "model_config": self.engine.model_config,
             "block_size": cache.block_size,
-            "num_layers": config.num_layers,
-            "num_kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-            "dtype": str(cache.dtype).removeprefix("torch."),
+            "dtype": cache.dtype,
             "bytes_per_block": cache.bytes_per_block(),
             "steps": self.loop.steps,
         }
 
 
-def _transfer_s(worker, shape: dict, sender: KVSender, tokens: int, index: int) -> float:
+def _source_cache(shape: dict, tokens: int) -> PagedKVCache:
+    """A prefill-side cache shaped like the worker's, its first blocks random."""
+    blocks = -(-tokens // shape["block_size"])
+    cache = PagedKVCache(
+        shape["model_config"], blocks, shape["block_size"], shape["dtype"], torch.device("cpu")
+    )
+    gen = torch.Generator().manual_seed(0)
+    for t in (cache.k, cache.v):
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return cache
+
+
+def _transfer_s(worker, send: KVSendSide, cache: PagedKVCache, tokens: int, index: int) -> float:
     import ray
 
     request_id = f"transfer-{index}"
     prompt = [(i * 31) % 1000 + 100 for i in range(tokens)]
     reservation = ray.get(worker.reserve.remote(request_id, prompt, SamplingParams(max_tokens=1)))
-    bs = shape["block_size"]
-    dtype = getattr(torch, shape["dtype"])
-    k = torch.randn(
-        (-(-tokens // bs), bs, shape["num_kv_heads"], shape["head_dim"]),
-        generator=torch.Generator().manual_seed(index),
-    ).to(dtype)
-    v = k.clone()
+    block_ids = torch.arange(-(-tokens // cache.block_size), dtype=torch.int64)
     start = time.perf_counter()
-    stream = sender.open(
-        request_id,
-        reservation.lease_id,
-        shape["fingerprint"],
-        bs,
-        tokens,
-        shape["num_layers"],
-        "passthrough",
-        dtype,
-    )
-    for layer in range(shape["num_layers"]):
-        stream.send_layer(layer, k, v, copy=False)
+    stream = send.open(reservation.kv, request_id, tokens)
+    for layer in range(cache.num_layers):
+        stream.send_layer(layer, block_ids)
     stream.finish(first_token=0)
     seconds = time.perf_counter() - start
     ray.get(worker.cancel.remote(request_id))
@@ -94,11 +90,12 @@ def measure_into_decode_worker(
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    kv = KVTransferOptions(token=TOKEN, wire_dtype="passthrough", lease_timeout_s=600)
     options = WorkerOptions(
         model=model,
         # the batch's prompts and a few hundred tokens each, plus two transfers in flight
         engine=EngineConfig(num_kv_blocks=batch * 24 + 2 * (-(-tokens // 16)) + 8),
-        kv=KVTransferOptions(token=TOKEN, wire_dtype="passthrough"),
+        kv=kv,
         torch_threads=1,
     ).to_dict()
     worker = (
@@ -108,19 +105,22 @@ def measure_into_decode_worker(
     )
     try:
         shape = ray.get(worker.shape.remote())
-        address = ray.get(worker.info.remote())["kv_address"]
         kv_bytes = shape["bytes_per_block"] * -(-tokens // shape["block_size"])
-        with KVSender(address, TOKEN, timeout_s=600) as sender:
-            _transfer_s(worker, shape, sender, 64, -1)  # warm-up: channel, code paths
-            idle = min(_transfer_s(worker, shape, sender, tokens, i) for i in range(repeats))
+        cache = _source_cache(shape, tokens)
+        send = transport(kv.transport).send_side(cache, shape["model_config"].fingerprint(), kv)
+        try:
+            _transfer_s(worker, send, cache, 64, -1)  # warm-up: channel, code paths
+            idle = min(_transfer_s(worker, send, cache, tokens, i) for i in range(repeats))
             ray.get(worker.keep_busy.remote(batch))
             steps_before = ray.get(worker.shape.remote())["steps"]
             busy_start = time.perf_counter()
             busy = min(
-                _transfer_s(worker, shape, sender, tokens, repeats + i) for i in range(repeats)
+                _transfer_s(worker, send, cache, tokens, repeats + i) for i in range(repeats)
             )
             busy_elapsed = time.perf_counter() - busy_start
             steps = ray.get(worker.shape.remote())["steps"] - steps_before
+        finally:
+            send.close()
     finally:
         ray.kill(worker)
         if started_ray:

@@ -13,8 +13,9 @@ import yaml
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.named_models import DEFAULT_MODEL
-from workers.options import KVTransferOptions, WorkerOptions
+from kv_transfer.options import KVTransferOptions
 from router.config import RouterConfig, RouterLimits
+from workers.options import WorkerOptions
 
 
 class ConfigError(ValueError):

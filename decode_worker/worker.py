@@ -4,7 +4,7 @@ then decodes with continuous batching and hands tokens to the router in per-step
 Request life on this worker:
 1. ``reserve`` (router, before prefill starts): validate, lease blocks for the prompt's KV.
    No capacity → ``NoCapacityError`` (the router tries another replica or answers 429).
-2. The KV receiver (gRPC threads) writes the prefill worker's blocks into the lease; its
+2. The KV receive side (its own threads) writes the prefill worker's blocks into the lease; its
    final frame carries the first token and hands the request over (``_arrive``); the
    engine loop admits it before its next step, so the transfer's acknowledgement never
    waits for a decode step.
@@ -28,9 +28,9 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Fork
+from kv_transfer.connector import transport
 from kv_transfer.errors import LeaseError, NoCapacityError
 from kv_transfer.lease import Lease, LeaseTable
-from kv_transfer.receiver import KVReceiverServer
 from workers.base import WorkerBase
 from workers.messages import Reservation, TokenBatch
 
@@ -105,22 +105,9 @@ class DecodeWorker(EngineWorker):
         self.leases = LeaseTable(
             self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._arrive
         )
-        self.receiver = KVReceiverServer(
-            self.engine.cache,
-            self.leases,
-            self.engine.model_config.fingerprint(),
-            host=kv.host,
-            port=0,
-            token=kv.token,
-            tls_cert=kv.tls_cert,
-            tls_key=kv.tls_key,
-            data_channel=kv.data_channel,
-        )
-        self.receiver.start()
+        self.kv = transport(kv.transport).recv_side(self.engine.model_config.fingerprint(), kv)
+        self.kv.start(self.engine.cache, self.leases)
         self.loop.start()
-
-    def info(self) -> dict:
-        return {**super().info(), "kv_address": self.receiver.address}
 
     def reserve(
         self,
@@ -160,7 +147,7 @@ class DecodeWorker(EngineWorker):
             )
             for fork in forks:
                 self._member_of[fork.request_id] = request_id
-        return Reservation(lease.lease_id, self.receiver.address)
+        return Reservation(self.kv.handle_for(lease))
 
     def _is_pending(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self._member_of
@@ -262,9 +249,9 @@ class DecodeWorker(EngineWorker):
             stats["pending_transfers"] = len(self.pending)
             stats["pending_sequences"] = self._num_pending()
             stats["leases"] = self.leases.active()
-        stats.update({f"kv_{k}": v for k, v in dataclasses.asdict(self.receiver.stats).items()})
+        stats.update({f"kv_{k}": v for k, v in dataclasses.asdict(self.kv.stats()).items()})
         return stats
 
     def shutdown(self) -> None:
-        self.receiver.stop()
+        self.kv.stop()
         super().shutdown()

@@ -9,6 +9,7 @@ Which blocks belong to whom is the BlockManager's business, not this class's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,39 @@ class PagedKVCache:
             v_scale=None if self.v_scale is None else self.v_scale[index],
         )
 
+    def gather(self, layer: int, block_ids: torch.Tensor) -> LayerKV:
+        """Copies of cache blocks ``block_ids`` (int64, on this device) of one layer, in that
+        order: [n, bs, Hkv, D] (scales [n, Hkv])."""
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[layer].index_select(0, block_ids)
+
+        return LayerKV(take(self.k), take(self.v), take(self.k_scale), take(self.v_scale))
+
+    def scatter(self, layer: int, block_ids: Sequence[int] | torch.Tensor, blocks: LayerKV) -> None:
+        """Write ``blocks`` ([n, ...], in order; scales when the cache is fp8) into cache
+        blocks ``block_ids`` of one layer. CPU caches take the ids as a list, other devices
+        as an int64 tensor on the device."""
+        pairs = [(self.k[layer], blocks.k), (self.v[layer], blocks.v)]
+        if self.is_fp8:
+            pairs += [(self.k_scale[layer], blocks.k_scale), (self.v_scale[layer], blocks.v_scale)]
+        if self.device.type == "cpu":
+            # numpy slice copies per run of consecutive blocks: plain memcpys on the calling
+            # thread with the GIL released (torch's own copies fan out to its intra-op pool,
+            # which on a busy host is many times slower than one thread).
+            ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+            runs = _runs(ids)
+            for dst, src in pairs:
+                dst_rows, src_rows = _byte_rows(dst), _byte_rows(src)
+                for first, offset, n in runs:
+                    dst_rows[first : first + n] = src_rows[offset : offset + n]
+            return
+        # index_put_ on [blocks, row] views: one vectorised scatter of whole blocks
+        # (index_copy_ has no fp8 kernels), moving 8-byte words where rows allow (the cost
+        # is per element, the bytes are the same).
+        for dst, src in pairs:
+            _word_rows(dst).index_put_((block_ids,), _word_rows(src))
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block, every layer's K, V and scales."""
         if not pairs:
@@ -84,3 +118,25 @@ class PagedKVCache:
         )
         scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.is_fp8 else 0
         return payload + scales
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as runs of consecutive cache blocks: (first block, first index, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, src, n = runs[-1]
+            runs[-1] = (first, src, n + 1)
+        else:
+            runs.append((block, i, 1))
+    return runs
+
+
+def _byte_rows(t: torch.Tensor):
+    """A contiguous CPU tensor [blocks, ...] as a numpy uint8 array [blocks, bytes] (a view)."""
+    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+def _word_rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(t.shape[0], -1).view(torch.uint8)
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows

@@ -1,13 +1,25 @@
-"""KV cache transfer from prefill to decode workers: FP8 block codec, frame format with a
-handshake, gRPC sender and receiver, and leases on the decode side's blocks.
+"""KV cache transfer from prefill to decode workers: the connector interface (send side,
+receive side, opaque handles; kv_transfer.connector), its transports (gRPC, the default),
+the FP8 block codec, the frame format with a handshake, and leases on the decode side's blocks.
 
-Prefill side: ``KVSender(address, token).open(...)`` → ``TransferStream.send_layer`` per layer
-(from the model's ``layer_done`` hook) → ``finish(first_token)``. Decode side:
-``LeaseTable.reserve`` before prefill starts, ``KVReceiverServer`` writes the blocks in.
+Prefill side: ``transport(name).send_side(cache, fingerprint, options).open(handle, ...)`` →
+``send_layer`` per layer (from the model's layer hook) → ``finish(first_token)``. Decode side:
+``LeaseTable.reserve`` before prefill starts, then ``recv_side.handle_for(lease)``; the receive
+side writes the blocks in.
 """
 
 from __future__ import annotations
 
+from kv_transfer.connector import (
+    KVHandle,
+    KVRecvSide,
+    KVSendSide,
+    KVSendStream,
+    ReceiverStats,
+    TransferResult,
+    transport,
+    transport_names,
+)
 from kv_transfer.errors import (
     FrameError,
     HandshakeError,
@@ -20,14 +32,18 @@ from kv_transfer.errors import (
 from kv_transfer.frames import PROTOCOL_VERSION, Handshake
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.receiver import KVReceiverServer
-from kv_transfer.sender import KVSender, TransferResult, TransferStream
+from kv_transfer.sender import KVSender, TransferStream
 
 __all__ = [
     "PROTOCOL_VERSION",
     "FrameError",
     "Handshake",
     "HandshakeError",
+    "KVHandle",
     "KVReceiverServer",
+    "KVRecvSide",
+    "KVSendSide",
+    "KVSendStream",
     "KVSender",
     "KVTransferError",
     "Lease",
@@ -36,6 +52,9 @@ __all__ = [
     "LeaseStateError",
     "LeaseTable",
     "NoCapacityError",
+    "ReceiverStats",
     "TransferResult",
     "TransferStream",
+    "transport",
+    "transport_names",
 ]

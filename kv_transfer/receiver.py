@@ -29,37 +29,32 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
-import queue
-import secrets
 import socket
-import ssl
-import struct
-import tempfile
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import LayerKV, PagedKVCache
 from kv_transfer import frames
 from kv_transfer.codec import WireSpec, decode_chunk, dtype_from_name
+from kv_transfer.connector import ReceiverStats
+from kv_transfer.data_channel import (
+    MAX_MESSAGE_BYTES,
+    POLL_S,
+    DataListener,
+    receive_frames,
+    tls_context,
+)
 from kv_transfer.errors import FrameError, KVTransferError
 from kv_transfer.lease import Lease, LeaseTable
 from protos import kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
 
-# Frames are bounded by the sender (4 MiB by default); allow headroom for metadata and for
-# senders configured with larger frames.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DATA_CONNECT_TIMEOUT_S = 10.0  # a sender that asked for a data channel must connect by then
-_PREAMBLE_TIMEOUT_S = 5.0
-_POLL_S = 0.25  # how often a blocked receive looks at the call's state
-_DATA_BUFFERS = 3  # receive buffers per data channel (frames read ahead of the one stored)
 
 
 def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -72,15 +67,6 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
-@dataclass
-class ReceiverStats:
-    bytes_received: int = 0  # payload bytes of accepted frames
-    transfers_completed: int = 0
-    transfers_failed: int = 0
-    seconds: float = 0.0  # wall time spent in transfers (completed or failed)
-    data_channel_transfers: int = 0  # transfers whose kv frames came over the data channel
-
-
 def _push_handler(server: KVReceiverServer) -> grpc.GenericRpcHandler:
     """KVTransfer.Push of protos/kv_transfer.proto, frames parsed by hand (no protobuf
     objects, payloads as memoryviews of the received messages)."""
@@ -90,121 +76,6 @@ def _push_handler(server: KVReceiverServer) -> grpc.GenericRpcHandler:
         response_serializer=kv_transfer_pb2.PushReply.SerializeToString,
     )
     return grpc.method_handlers_generic_handler("pdcluster.kv_transfer.KVTransfer", {"Push": push})
-
-
-@dataclass
-class _Slot:
-    """A data connection a stream waits for, by ticket."""
-
-    ready: threading.Event = field(default_factory=threading.Event)
-    conn: socket.socket | None = None
-
-
-class _DataListener:
-    """Accepts data connections: checks the preamble (token, ticket) and hands each good one
-    to the stream that issued the ticket. A peer without the token is refused and closed; it
-    never reaches a stream or a lease."""
-
-    def __init__(
-        self, host: str, port: int, expected_auth: bytes, tls: ssl.SSLContext | None
-    ) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host.strip("[]"), port), family=family)
-        self.port = self.sock.getsockname()[1]
-        self._expected_auth = expected_auth
-        self._tls = tls
-        self._slots: dict[str, _Slot] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="kv-data-accept", daemon=True)
-        self._thread.start()
-
-    def expect(self) -> tuple[str, _Slot]:
-        ticket = secrets.token_urlsafe(18)
-        slot = _Slot()
-        with self._lock:
-            self._slots[ticket] = slot
-        return ticket, slot
-
-    def forget(self, ticket: str) -> None:
-        with self._lock:
-            slot = self._slots.pop(ticket, None)
-        if slot is not None and slot.conn is not None and not slot.ready.is_set():
-            slot.conn.close()
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._thread.join(2.0)
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            threading.Thread(
-                target=self._admit, args=(conn,), name="kv-data-admit", daemon=True
-            ).start()
-
-    def _admit(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(_PREAMBLE_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            magic = _recv_exact(conn, len(frames.DATA_MAGIC))
-            if magic != frames.DATA_MAGIC:
-                raise PermissionError("not a KV data connection")
-            auth = _recv_exact(conn, struct.unpack("<H", _recv_exact(conn, 2))[0])
-            ticket = _recv_exact(conn, struct.unpack("<H", _recv_exact(conn, 2))[0])
-            if not hmac.compare_digest(auth, self._expected_auth):
-                raise PermissionError("missing or wrong KV transfer token")
-            with self._lock:
-                slot = self._slots.pop(ticket.decode(errors="replace"), None)
-            if slot is None:
-                raise PermissionError("unknown or used KV data ticket")
-        except (OSError, ValueError, struct.error) as err:
-            logger.warning("KV data connection refused: %s", err)
-            try:
-                conn.sendall(f"refused: {err}\n".encode())
-            except OSError:
-                pass
-            conn.close()
-            return
-        conn.settimeout(_POLL_S)
-        slot.conn = conn
-        slot.ready.set()
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        got = conn.recv_into(view)
-        if got == 0:
-            raise ConnectionError("connection closed during the preamble")
-        view = view[got:]
-    return bytes(buf)
-
-
-def _tls_context(cert: bytes, key: bytes) -> ssl.SSLContext:
-    """A server context from PEM bytes (ssl loads chains only from files: a private temp dir)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with tempfile.TemporaryDirectory() as tmp:
-        cert_path, key_path = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
-        for path, data in ((cert_path, cert), (key_path, key)):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        context.load_cert_chain(cert_path, key_path)
-    return context
 
 
 class KVReceiverServer:
@@ -246,14 +117,14 @@ class KVReceiverServer:
         self._tls = (tls_cert, tls_key) if tls_cert is not None else None
         self.sweep_interval_s = sweep_interval_s
         self.max_workers = max_workers
-        self.stats = ReceiverStats()
+        self._stats = ReceiverStats()
         self._stats_lock = threading.Lock()
         self._server: grpc.Server | None = None
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.data_channel = data_channel
         self.data_port = data_port
-        self._data: _DataListener | None = None
+        self._data: DataListener | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> int:
@@ -274,8 +145,8 @@ class KVReceiverServer:
         if port == 0:
             raise OSError(f"KV receiver could not bind {bind}")
         if self.data_channel:
-            tls = _tls_context(self._tls[0], self._tls[1]) if self._tls is not None else None
-            self._data = _DataListener(self.host, self.data_port, self._expected_auth, tls)
+            tls = tls_context(self._tls[0], self._tls[1]) if self._tls is not None else None
+            self._data = DataListener(self.host, self.data_port, self._expected_auth, tls)
             self.data_port = self._data.port
         server.start()
         self._server, self.port = server, port
@@ -296,6 +167,10 @@ class KVReceiverServer:
         if self._sweeper is not None:
             self._sweeper.join()
             self._sweeper = None
+
+    @property
+    def stats(self) -> ReceiverStats:
+        return self._stats
 
     @property
     def address(self) -> str:
@@ -340,13 +215,14 @@ class KVReceiverServer:
             transfer.release_unless_complete()
             transfer.close_data()
             with self._stats_lock:
-                self.stats.seconds += time.perf_counter() - start
-                self.stats.bytes_received += transfer.payload_bytes
-                self.stats.data_channel_transfers += transfer.used_data_channel
-                if code is None:
-                    self.stats.transfers_completed += 1
-                else:
-                    self.stats.transfers_failed += 1
+                was = self._stats
+                self._stats = ReceiverStats(
+                    bytes_received=was.bytes_received + transfer.payload_bytes,
+                    transfers_completed=was.transfers_completed + (code is None),
+                    transfers_failed=was.transfers_failed + (code is not None),
+                    seconds=was.seconds + time.perf_counter() - start,
+                    data_channel_transfers=was.data_channel_transfers + transfer.used_data_channel,
+                )
         if code is not None:
             context.abort(code, message)
         return reply
@@ -443,7 +319,7 @@ class _Transfer:
             (("kv-data-port", str(listener.port)), ("kv-data-ticket", self._ticket))
         )
         deadline = time.monotonic() + DATA_CONNECT_TIMEOUT_S
-        while not slot.ready.wait(_POLL_S):
+        while not slot.ready.wait(POLL_S):
             self._check_alive()
             if time.monotonic() > deadline:
                 raise KVTransferError(
@@ -457,86 +333,22 @@ class _Transfer:
         if not self.context.is_active() or self.server._stop.is_set():
             raise KVTransferError("KV stream broken or cancelled by the sender", "CANCELLED")
 
-    def _recv_into(self, view: memoryview) -> None:
-        conn = self.data
-        while view:
-            try:
-                got = conn.recv_into(view)
-            except TimeoutError:
-                self._check_alive()
-                continue
-            except OSError as err:
-                raise FrameError(f"KV data connection broken: {err}") from None
-            if got == 0:
-                raise FrameError("KV data channel truncated: the connection closed mid-stream")
-            view = view[got:]
-
-    def _data_messages(self):
-        """Frames of the data channel until the zero length that ends them. A reader thread
-        receives them into a few reused buffers while this thread checks and stores the
-        previous one; each yielded frame is valid until the next is asked for."""
-        free: queue.Queue = queue.Queue()
-        for _ in range(_DATA_BUFFERS):
-            free.put(memoryview(bytearray(0)))
-        ready: queue.Queue = queue.Queue()
-        stop = threading.Event()
-
-        def read() -> None:
-            header = memoryview(bytearray(4))
-            try:
-                while not stop.is_set():
-                    try:
-                        buf = free.get(timeout=_POLL_S)
-                    except queue.Empty:
-                        continue
-                    self._recv_into(header)
-                    size = int.from_bytes(header, "little")
-                    if size == 0:
-                        ready.put(None)
-                        return
-                    if size > MAX_MESSAGE_BYTES:
-                        raise FrameError(f"data frame of {size} bytes (limit {MAX_MESSAGE_BYTES})")
-                    if size > buf.nbytes:
-                        buf = memoryview(bytearray(size))
-                    self._recv_into(buf[:size])
-                    ready.put((buf, size))
-            except BaseException as err:  # handed to the handler thread, which raises it
-                ready.put(err)
-
-        reader = threading.Thread(target=read, name="kv-data-reader", daemon=True)
-        reader.start()
-        try:
-            while True:
-                try:
-                    item = ready.get(timeout=_POLL_S)
-                except queue.Empty:
-                    self._check_alive()
-                    continue
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                buf, size = item
-                yield frames.parse_wire(buf[:size])
-                free.put(buf)
-        finally:
-            stop.set()
-            if reader.is_alive():
-                self.close_data()  # unblocks a receive
-                reader.join()
-
     def _receive_layers(self, it, spec: WireSpec, lease: Lease) -> None:
         cache, leases = self.cache, self.server.leases
         num_layers, num_blocks = cache.num_layers, len(lease.block_ids)
         next_block = [0] * num_layers  # per layer: the next block index expected
-        block_ids = torch.tensor(lease.block_ids, dtype=torch.int64, device=cache.device)
-        on_cpu = cache.device.type == "cpu"
+        if cache.device.type == "cpu":
+            block_ids = lease.block_ids
+        else:
+            block_ids = torch.tensor(lease.block_ids, dtype=torch.int64, device=cache.device)
         # CUDA: copies on a side stream of their own, so they never queue behind (or hold up)
         # the engine's kernels; the end records an event the admission waits on.
         copies = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         num_kv_frames = 0
         if self.data is not None:
-            messages = _chain(self._data_messages(), it, self)
+            messages = _chain(
+                receive_frames(self.data, self._check_alive, self.close_data), it, self
+            )
         else:
             messages = it
         for message in messages:
@@ -574,14 +386,11 @@ class _Transfer:
                     f"expected {next_block[layer]}"
                 )
             with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
-                k, v, k_scale, v_scale = decode_chunk(
-                    frame.payload, count, spec, cache.dtype, cache.device
+                blocks = LayerKV(
+                    *decode_chunk(frame.payload, count, spec, cache.dtype, cache.device)
                 )
-                if on_cpu:
-                    ids = _runs(lease.block_ids, start, count)
-                else:
-                    ids = block_ids[start : start + count]
-                leases.write(lease, _store, cache, layer, ids, k, v, k_scale, v_scale)
+                ids = block_ids[start : start + count]
+                leases.write(lease, cache.scatter, layer, ids, blocks)
             next_block[layer] += count
             num_kv_frames += 1
             self.payload_bytes += memoryview(frame.payload).nbytes
@@ -600,56 +409,3 @@ def _decode(message) -> frames.Frame:
     if error:
         raise FrameError(error)
     return frames.decode_frame(message.meta, message.payload, message.crc32)
-
-
-def _runs(block_ids: list[int], start: int, count: int) -> list[tuple[int, int, int]]:
-    """Blocks ``start .. start+count`` of a sequence as runs of consecutive cache blocks:
-    (first cache block, first index in the frame, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for i in range(count):
-        block = block_ids[start + i]
-        if runs and runs[-1][0] + runs[-1][2] == block:
-            first, src, n = runs[-1]
-            runs[-1] = (first, src, n + 1)
-        else:
-            runs.append((block, i, 1))
-    return runs
-
-
-def _np_rows(t: torch.Tensor):
-    """A contiguous CPU tensor [blocks, ...] as a numpy uint8 array [blocks, bytes] (a view)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
-
-
-def _store(
-    cache: PagedKVCache,
-    layer: int,
-    ids: torch.Tensor | list[tuple[int, int, int]],
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> None:
-    pairs = [(cache.k[layer], k), (cache.v[layer], v)]
-    if cache.is_fp8:
-        pairs += [(cache.k_scale[layer], k_scale), (cache.v_scale[layer], v_scale)]
-    if isinstance(ids, list):
-        # CPU cache: numpy slice copies per run of consecutive blocks, straight from the
-        # received buffer. They are plain memcpys on this thread with the GIL released
-        # (torch's own copies fan out to its intra-op pool, which on a busy host is many times
-        # slower than one thread).
-        for dst, src in pairs:
-            dst_rows, src_rows = _np_rows(dst), _np_rows(src)
-            for first, offset, n in ids:
-                dst_rows[first : first + n] = src_rows[offset : offset + n]
-        return
-
-    # Other devices: index_put_ on [blocks, row] views, one vectorised scatter of whole
-    # blocks (index_copy_ has no fp8 kernels).
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        # Move 8-byte words: the scatter's cost is per element, and the bytes are the same.
-        t = t.reshape(t.shape[0], -1).view(torch.uint8)
-        return t.view(torch.int64) if t.shape[1] % 8 == 0 else t
-
-    for dst, src in pairs:
-        rows(dst).index_put_((ids,), rows(src))

@@ -27,12 +27,11 @@ import socket
 import ssl
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import torch
 
-from kv_transfer import frames
+from kv_transfer import data_channel, frames
 from kv_transfer.codec import (
     WireSpec,
     dtype_name,
@@ -40,6 +39,7 @@ from kv_transfer.codec import (
     layer_chunk_parts,
     payload_dtype_for,
 )
+from kv_transfer.connector import TransferResult
 from kv_transfer.errors import KVTransferError
 from kv_transfer.receiver import grpc_options
 from protos import kv_transfer_pb2
@@ -49,16 +49,6 @@ PUSH_METHOD = "/pdcluster.kv_transfer.KVTransfer/Push"
 _DONE = object()  # ends the request iterator
 _KV, _CONTROL = 0, 1  # queued items: kv frames may take the data channel, control frames not
 _STATUS_WAIT_S = 2.0  # after a data-channel error: how long to wait for the receiver's status
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    request_id: str
-    lease_id: str
-    payload_bytes: int  # bytes of K/V payload (and scales) sent
-    kv_bytes: int  # bytes the same tokens occupy in the sender's cache dtype
-    num_frames: int  # all frames, handshake and end included
-    seconds: float  # open() to the receiver's answer
 
 
 class KVSender:
@@ -106,18 +96,11 @@ class KVSender:
         )
         self._stub = type("KVTransferStub", (), {"Push": push})()
 
-    def _connect_data(self, port: int, ticket: str, timeout_s: float) -> socket.socket:
+    def connect_data(self, port: int, ticket: str, timeout_s: float):
         """The authenticated data connection of one stream (TLS when the channel is)."""
-        sock = socket.create_connection((self._host, port), timeout=timeout_s)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_hostname=self._server_name)
-            sock.sendall(frames.data_preamble(self._token, ticket))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return data_channel.connect(
+            self._host, port, self._token, ticket, timeout_s, self._ssl, self._server_name
+        )
 
     def open(
         self,
@@ -315,7 +298,7 @@ class TransferStream:
                 if self._data is not None:
                     try:
                         if kind == _KV:
-                            self._send_data(frame)
+                            data_channel.send_frame(self._data, frame)
                             continue
                         self._data.sendall(b"\0\0\0\0")  # a zero length: kv frames done
                     except OSError as err:
@@ -338,7 +321,7 @@ class TransferStream:
             # Declined ("none"): the kv frames go over gRPC. No answer at all: the call died.
             return not self._future.done()
         try:
-            self._data = self._sender._connect_data(
+            self._data = self._sender.connect_data(
                 int(port), ticket, max(1.0, self._deadline - time.monotonic())
             )
         except (OSError, ValueError) as err:
@@ -346,23 +329,6 @@ class TransferStream:
             return False
         self.used_data_channel = True
         return True
-
-    def _send_data(self, frame) -> None:
-        meta, parts, crc = frame
-        buffers = frames.wire_parts(meta, parts, crc, length_prefix=True)
-        sock = self._data
-        if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
-            for buf in buffers:
-                sock.sendall(buf)
-            return
-        views = [memoryview(b).cast("B") for b in buffers]
-        while views:
-            sent = sock.sendmsg(views)
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
 
     def _data_failed(self, err: BaseException, *, wait_for_status: bool) -> None:
         """The data channel broke: take the receiver's status if it comes (it may have

@@ -25,7 +25,7 @@ from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Fork, TokenLogprobs
-from kv_transfer.sender import KVSender, TransferStream
+from kv_transfer.connector import KVSendStream, transport
 from workers.base import WorkerBase
 from workers.messages import FirstToken, PrefillResult, PrefillTimes, Reservation
 
@@ -39,7 +39,7 @@ class PrefillError(Exception):
 @dataclass
 class PrefillJob:
     request_id: str
-    stream: TransferStream
+    stream: KVSendStream
     members: list[str]  # the request's id, then its forks'
     done: threading.Event = field(default_factory=threading.Event)
     first_tokens: dict[str, FirstToken] = field(default_factory=dict)  # member → its first
@@ -59,8 +59,6 @@ class PrefillJob:
 class PrefillWorker(WorkerBase):
     def __init__(self, options: dict, name: str = "prefill-0") -> None:
         self.jobs: dict[str, PrefillJob] = {}
-        self.senders: dict[str, KVSender] = {}
-        self._senders_lock = threading.Lock()
         self.completed = 0
         self.failed = 0
         self.transfer_seconds = 0.0
@@ -71,6 +69,9 @@ class PrefillWorker(WorkerBase):
             on_error=self._fail_all,
             layer_hook=self._layer_hook,
         )
+        kv = self.options.kv
+        fingerprint = self.engine.model_config.fingerprint()
+        self.kv = transport(kv.transport).send_side(self.engine.cache, fingerprint, kv)
         self.loop.start()
 
     # ---- Ray-facing API ---------------------------------------------------------------
@@ -92,16 +93,9 @@ class PrefillWorker(WorkerBase):
             p, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=()
         )
         first_forks = [Fork(f.request_id, one_token(f.params)) for f in forks]
-        stream = self._sender(reservation.kv_address).open(
-            request_id,
-            reservation.lease_id,
-            engine.model_config.fingerprint(),
-            engine.cache.block_size,
-            len(prompt_token_ids),
-            engine.model_config.num_layers,
-            self.options.kv.wire_dtype,
-            engine.cache.dtype,
-        )
+        if reservation.kv is None:
+            raise PrefillError(f"{self.name}: {request_id} has no KV handle to stream to")
+        stream = self.kv.open(reservation.kv, request_id, len(prompt_token_ids))
         members = [request_id, *(f.request_id for f in forks)]
         job = PrefillJob(request_id, stream, members)
         with self.loop.lock:
@@ -179,26 +173,9 @@ class PrefillWorker(WorkerBase):
 
     def shutdown(self) -> None:
         super().shutdown()
-        with self._senders_lock:
-            for sender in self.senders.values():
-                sender.close()
+        self.kv.close()
 
     # ---- engine loop side ---------------------------------------------------------------
-    def _sender(self, address: str) -> KVSender:
-        kv = self.options.kv
-        with self._senders_lock:
-            sender = self.senders.get(address)
-            if sender is None:
-                sender = self.senders[address] = KVSender(
-                    address,
-                    kv.token,
-                    tls_root_cert=kv.tls_cert,
-                    max_frames_in_flight=kv.max_frames_in_flight,
-                    timeout_s=kv.lease_timeout_s,
-                    data_channel=kv.data_channel,
-                )
-            return sender
-
     def _layer_hook(self, batch: ScheduledBatch):
         """For every prompt in this batch: ship each layer's newly complete blocks as soon as
         the layer is done (a chunk's full blocks; at the last chunk, the rest)."""
@@ -211,7 +188,8 @@ class PrefillWorker(WorkerBase):
             if job.scheduled is None:
                 job.scheduled = time.monotonic()
             end = seq.num_computed_tokens + count
-            upto = job.stream.handshake.num_blocks if end == seq.num_tokens else end // block_size
+            # full blocks; at the last chunk the partial tail block too
+            upto = -(-end // block_size) if end == seq.num_tokens else end // block_size
             if upto > job.blocks_sent:
                 table = seq.block_table[job.blocks_sent : upto]
                 blocks = torch.tensor(table, dtype=torch.int64, device=self.engine.device)
@@ -219,25 +197,13 @@ class PrefillWorker(WorkerBase):
                 job.blocks_sent = upto
         if not shipping:
             return None
-        cache = self.engine.cache
 
         def layer_done(layer: int) -> None:
             for job, blocks, first_block in shipping:
                 if job.error is not None:
                     continue
-                k_scale = v_scale = None
-                if cache.is_fp8:
-                    k_scale = cache.k_scale[layer].index_select(0, blocks)
-                    v_scale = cache.v_scale[layer].index_select(0, blocks)
                 try:
-                    job.stream.send_layer(
-                        layer,
-                        cache.k[layer].index_select(0, blocks),
-                        cache.v[layer].index_select(0, blocks),
-                        k_scale,
-                        v_scale,
-                        first_block=first_block,
-                    )
+                    job.stream.send_layer(layer, blocks, first_block)
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sequence import TokenLogprobs
+from kv_transfer.connector import KVHandle
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Decode KV leased for a prompt (``DecodeWorker.reserve``): where its prefill streams
-    the KV and under which lease. Empty for a colocated worker (nothing to stream)."""
+    """Decode KV leased for a prompt (``DecodeWorker.reserve``): the handle its prefill
+    streams the KV to, which the router carries unread. None for a colocated worker (nothing
+    to stream)."""
 
-    lease_id: str = ""
-    kv_address: str = ""
+    kv: KVHandle | None = None
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.sequence import Fork
-from workers.options import KVTransferOptions, WorkerOptions
+from kv_transfer.options import KVTransferOptions
 from prefill_worker.worker import PrefillWorker
+from workers.options import WorkerOptions
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -70,17 +71,16 @@ def test_a_long_prompt_streams_its_kv_chunk_by_chunk(workers):
             stream = stream_open(*args, **kwargs)
             original = stream.send_layer
 
-            def send(layer, k, v, *rest, first_block=0, **kw):
-                sent.append((layer, first_block, k.shape[0]))
-                return original(layer, k, v, *rest, first_block=first_block, **kw)
+            def send(layer, block_ids, first_block=0):
+                sent.append((layer, first_block, len(block_ids)))
+                return original(layer, block_ids, first_block)
 
             stream.send_layer = send
             return stream
 
         return open_
 
-    sender = prefill._sender(decode.info()["kv_address"])
-    sender.open = spy(sender.open)
+    prefill.kv.open = spy(prefill.kv.open)
     reservation = decode.reserve("long", prompt, GREEDY)
     result = prefill.prefill("long", prompt, GREEDY, reservation)
     tokens = collect(decode, "long")

@@ -10,6 +10,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ByteTokenizer
+from kv_transfer.connector import KVHandle
 from kv_transfer.errors import NoCapacityError
 from router.admission import SLOTargets
 from router.backend import GenerateRequest, Overloaded, RequestRejected
@@ -55,7 +56,7 @@ class FakeDecode:
             raise NoCapacityError("full")
         self.reserved.append(rid)
         self.left[rid] = params.max_tokens
-        return Reservation(lease_id=rid, kv_address="fake:0")
+        return Reservation(KVHandle("grpc", rid, "fake:0"))
 
     async def _poll(self, timeout_s: float) -> dict:
         await asyncio.sleep(0.005)
