@@ -195,7 +195,8 @@ def _leaked_blocks(running, timeout_s: float = 60.0) -> tuple[int, int]:
                 unread += 1
                 continue
             # Every worker reports its blocks (cached prefixes count as free: evictable).
-            leaked += stats["num_blocks"] - stats["free_blocks"] + stats.get("leases", 0)
+            leases = stats.decode.leases if stats.decode is not None else 0
+            leaked += stats.load.num_blocks - stats.load.free_blocks + leases
         if (leaked == 0 and unread == 0) or time.monotonic() > deadline:
             return leaked, unread
         time.sleep(0.5)

@@ -19,60 +19,12 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from benchmarks.kernel_rows import Row, check_close, format_table, time_call
 
 H200_BF16_TFLOPS = 989.0  # dense
 H200_HBM_GBPS = 4800.0
-
-
-@dataclass
-class Row:
-    kernel: str
-    shape: str
-    check: str  # PASS (max err) / FAIL (max err) / -
-    ours: float | None  # our kernel's number (TFLOP/s or GB/s)
-    baseline: float | None  # torch's
-    unit: str
-    target: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ours is None or not self.baseline:
-            return None
-        return self.ours / self.baseline
-
-
-def _bench(fn, device, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds per call."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-    else:
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _check(name: str, got, want, atol: float, rtol: float) -> str:
-    err = (got.float() - want.float()).abs()
-    bound = atol + rtol * want.float().abs()
-    ok = bool((err <= bound).all())
-    return f"{'PASS' if ok else 'FAIL'} {err.max().item():.1e}"
 
 
 class KernelBench:
@@ -123,16 +75,16 @@ class KernelBench:
                     if self.smoke
                     else self._sdpa_prefill(q, k, v, batch, seq, scale)
                 )
-                check = _check("prefill", out, ref, 2e-2, 2e-2)
+                check = check_close("prefill", out, ref, 2e-2, 2e-2)
             flops = 4 * batch * hq * d * seq * (seq + 1) / 2  # causal: each score once
             ours = (
                 flops
-                / _bench(lambda: prefill_attention_triton(*args), self.device, iters=self.iters)
+                / time_call(lambda: prefill_attention_triton(*args), self.device, iters=self.iters)
                 / 1e12
             )
             base = (
                 flops
-                / _bench(
+                / time_call(
                     lambda: self._sdpa_prefill(q, k, v, batch, seq, scale),
                     self.device,
                     iters=self.iters,
@@ -191,11 +143,11 @@ class KernelBench:
                     continue
                 x = self.randn(m, k_dim)
                 out = fused_linear_triton(x, w, None, act)
-                check = _check(name, out, fused_linear_reference(x, w, None, act), 3e-2, 3e-2)
+                check = check_close(name, out, fused_linear_reference(x, w, None, act), 3e-2, 3e-2)
                 flops = 2 * m * k_dim * n_dim
                 ours = (
                     flops
-                    / _bench(
+                    / time_call(
                         lambda: fused_linear_triton(x, w, None, act), self.device, iters=self.iters
                     )
                     / 1e12
@@ -208,7 +160,7 @@ class KernelBench:
                         y = torch.nn.functional.silu(gate) * up
                     return y
 
-                base = flops / _bench(baseline, self.device, iters=self.iters) / 1e12
+                base = flops / time_call(baseline, self.device, iters=self.iters) / 1e12
                 self.rows.append(
                     Row(
                         f"GEMM {name}",
@@ -262,7 +214,7 @@ class KernelBench:
                 out = decode_attention_triton(*args, max_context_len=ctx)
                 check = "-"
                 if self.smoke or batch * ctx <= 64 * 4096:
-                    check = _check(
+                    check = check_close(
                         "decode",
                         out,
                         decode_attention_reference(*args, max_context_len=ctx),
@@ -270,7 +222,7 @@ class KernelBench:
                         2e-2,
                     )
                 kv_bytes = 2 * batch * ctx * hkv * d * k_cache.element_size()
-                seconds = _bench(
+                seconds = time_call(
                     lambda: decode_attention_triton(*args, max_context_len=ctx),
                     self.device,
                     iters=self.iters,
@@ -299,7 +251,7 @@ class KernelBench:
             k, v = self.randn(n, bs, hkv, d), self.randn(n, bs, hkv, d)
             q, s = quantize_kv_blocks_triton(k)
             q_ref, s_ref = quantize_kv_blocks_reference(k)
-            check = _check(
+            check = check_close(
                 "quant",
                 q.float() * s[:, None, :, None],
                 q_ref.float() * s_ref[:, None, :, None],
@@ -307,7 +259,7 @@ class KernelBench:
                 0.07,
             )
             in_bytes = 2 * k.numel() * k.element_size()
-            seconds = _bench(
+            seconds = time_call(
                 lambda: encode_layer(k, v, wire_dtype="fp8", num_tokens=tokens),
                 self.device,
                 iters=self.iters,
@@ -375,7 +327,7 @@ class KernelBench:
         ids = torch.randint(0, config.vocab_size, (tokens,), device=self.device)
         pos = torch.arange(tokens, device=self.device)
         run = lambda: model.compute_logits(model(ids, pos, meta, cache)[-1:])
-        seconds = _bench(run, self.device, warmup=2, iters=1 if self.smoke else 5)
+        seconds = time_call(run, self.device, warmup=2, iters=1 if self.smoke else 5)
         c = config
         per_token = (
             2
@@ -413,20 +365,6 @@ class KernelBench:
 
 
 PARTS = ["prefill_attention", "gemms", "decode", "kv_packing", "model_prefill"]
-
-
-def format_table(rows: list[Row]) -> str:
-    lines = [
-        f"{'kernel':<32} {'shape':<28} {'check':<14} {'ours':>9} {'baseline':>9} {'ratio':>7}  unit / target"
-    ]
-    for r in rows:
-        ours = "-" if r.ours is None else f"{r.ours:9.1f}"
-        base = "-" if r.baseline is None else f"{r.baseline:9.1f}"
-        ratio = "-" if r.ratio is None else f"{r.ratio:6.2f}x"
-        lines.append(
-            f"{r.kernel:<32} {r.shape:<28} {r.check:<14} {ours:>9} {base:>9} {ratio:>7}  {r.unit} {r.target}"
-        )
-    return "\n".join(lines)
 
 
 def add_kernels_parser(bench_subparsers) -> None:

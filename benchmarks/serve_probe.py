@@ -113,7 +113,7 @@ def actor_stats(ray_address: str, namespace: str) -> dict[str, dict]:
         status = ray.get(controller.status.remote(), timeout=30)
         names = [r["name"] for replicas in status["pools"].values() for r in replicas]
         handles = {n: ray.get_actor(n, namespace=namespace) for n in names}
-        return {n: ray.get(h.stats.remote(), timeout=30) for n, h in handles.items()}
+        return {n: ray.get(h.stats.remote(), timeout=30).to_dict() for n, h in handles.items()}
     finally:
         ray.shutdown()
 

@@ -16,6 +16,7 @@ from engine.named_models import DEFAULT_MODEL
 from kv_transfer.options import KVTransferOptions
 from router.config import RouterConfig, RouterLimits
 from workers.options import WorkerOptions
+from workers.pool import Pool
 
 
 class ConfigError(ValueError):
@@ -135,17 +136,32 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ConfigError(f"mode: must be 'disaggregated' or 'colocated', got {self.mode!r}")
-        for pool in ("prefill", "decode", "colocated"):
+        for pool in Pool:
             try:
                 self.engine_config(pool)
             except (EngineError, TypeError) as err:
                 raise ConfigError(f"engine ({pool}): {err}") from None
 
-    def engine_config(self, pool: str) -> EngineConfig:
+    @property
+    def pools(self) -> list[Pool]:
+        """The pools this mode runs, decode first (prefill streams into decode)."""
+        return [Pool.COLOCATED] if self.mode == "colocated" else [Pool.DECODE, Pool.PREFILL]
+
+    @property
+    def prefill_pool(self) -> Pool:
+        """Where prompts are computed."""
+        return Pool.COLOCATED if self.mode == "colocated" else Pool.PREFILL
+
+    @property
+    def decode_pool(self) -> Pool:
+        """Where sequences decode."""
+        return Pool.COLOCATED if self.mode == "colocated" else Pool.DECODE
+
+    def engine_config(self, pool: Pool) -> EngineConfig:
         overrides = {**self.engine, **getattr(self, pool).engine}
         return EngineConfig(**overrides)
 
-    def worker_options(self, pool: str) -> dict:
+    def worker_options(self, pool: Pool) -> dict:
         return WorkerOptions(
             model=self.model,
             engine=self.engine_config(pool),
@@ -168,7 +184,7 @@ class ClusterConfig:
         }
         pools = data.get("pools") or {}
         for name in pools:
-            if name not in ("prefill", "decode", "colocated"):
+            if name not in tuple(Pool):
                 raise ConfigError(f"pools.{name}: unknown pool (prefill, decode, colocated)")
         for name, section in pools.items():
             kwargs[name] = _build(PoolConfig, section, f"pools.{name}")

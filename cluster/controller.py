@@ -30,16 +30,22 @@ from cluster.config import ClusterConfig
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.errors import EngineError
+from engine.load import EngineLoad
 from prefill_worker.worker import PrefillWorker
 from router.actor import RouterActor
+from workers.pool import Pool
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 3.0  # per actor's own shutdown, before it is killed
 
-WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+WORKER_CLASSES = {
+    Pool.PREFILL: PrefillWorker,
+    Pool.DECODE: DecodeWorker,
+    Pool.COLOCATED: ColocatedWorker,
+}
 # Prefill calls block a thread each while their prompt waits in the engine's queue.
-CONCURRENCY = {"prefill": 512, "decode": 64, "colocated": 64}
+CONCURRENCY = {Pool.PREFILL: 512, Pool.DECODE: 64, Pool.COLOCATED: 64}
 RECONCILE_INTERVAL_S = 1.0
 DRAIN_TIMEOUT_S = 600.0
 
@@ -47,7 +53,7 @@ DRAIN_TIMEOUT_S = 600.0
 @dataclass
 class ReplicaRecord:
     name: str
-    pool: str
+    pool: Pool
     handle: Any
     state: str = "starting"  # starting | ready | draining | stopped
     ready_at: float | None = None
@@ -93,7 +99,7 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
         config = self.config
-        pools = ["colocated"] if config.mode == "colocated" else ["decode", "prefill"]
+        pools = config.pools
         records = [
             self._create(pool, index)
             for pool in pools
@@ -134,7 +140,7 @@ class Controller:
         self.replicas.clear()
 
     # ---- replicas -------------------------------------------------------------------------
-    def _create(self, pool: str, index: int) -> ReplicaRecord:
+    def _create(self, pool: Pool, index: int) -> ReplicaRecord:
         config = self.config
         pool_config = getattr(config, pool)
         name = f"{pool}-{index}"
@@ -161,14 +167,14 @@ class Controller:
         record.state = "ready"
         record.ready_at = time.monotonic()
 
-    def _next_index(self, pool: str) -> int:
+    def _next_index(self, pool: Pool) -> int:
         used = {int(name.rsplit("-", 1)[1]) for name, r in self.replicas.items() if r.pool == pool}
         index = 0
         while index in used:
             index += 1
         return index
 
-    async def add_replica(self, pool: str) -> str:
+    async def add_replica(self, pool: Pool) -> str:
         record = self._create(pool, self._next_index(pool))
         try:
             await self._wait_ready(record)
@@ -186,12 +192,7 @@ class Controller:
         while time.monotonic() < deadline:
             in_flight = await self.router.drain_replica.remote(name)
             stats = await record.handle.stats.remote()
-            busy = (
-                stats.get("running", 0)
-                + stats.get("waiting", 0)
-                + stats.get("pending_transfers", 0)
-            )
-            if in_flight == 0 and busy == 0:
+            if in_flight == 0 and stats.unfinished == 0:
                 break
             await asyncio.sleep(0.2)
         await self.router.remove_replica.remote(name)
@@ -253,14 +254,13 @@ class Controller:
             )
 
     async def _start_planner(self) -> None:
-        from cluster.planner import Planner, PoolCapacity
+        from cluster.planner import Planner
         from cluster.planner_metrics import PlannerMetrics
+        from cluster.planner_model import PoolCapacity
 
         config = self.config
-        prefill_pool = "colocated" if config.mode == "colocated" else "prefill"
-        decode_pool = "colocated" if config.mode == "colocated" else "decode"
-        prefill = next(r for r in self.replicas.values() if r.pool == prefill_pool)
-        decode = next(r for r in self.replicas.values() if r.pool == decode_pool)
+        prefill = next(r for r in self.replicas.values() if r.pool == config.prefill_pool)
+        decode = next(r for r in self.replicas.values() if r.pool == config.decode_pool)
         prefill_cap = await prefill.handle.calibrate.remote()
         decode_cap = prefill_cap if decode is prefill else await decode.handle.calibrate.remote()
         if "max_num_seqs" not in decode_cap:
@@ -273,9 +273,9 @@ class Controller:
             decode_max_seqs=int(decode_cap["max_num_seqs"]),
         )
         pools = (
-            {"colocated": config.colocated}
+            {Pool.COLOCATED: config.colocated}
             if config.mode == "colocated"
-            else {"prefill": config.prefill, "decode": config.decode}
+            else {Pool.PREFILL: config.prefill, Pool.DECODE: config.decode}
         )
         self.planner = Planner(
             config.slo, config.planner, pools, capacity, colocated=config.mode == "colocated"
@@ -284,7 +284,7 @@ class Controller:
         self.planner_metrics = PlannerMetrics(self.planner_registry)
 
     async def _plan_and_apply(self) -> None:
-        from cluster.planner import Observation, ReplicaState
+        from cluster.planner_model import Observation, ReplicaState
 
         config = self.config
         now = time.monotonic()
@@ -292,8 +292,8 @@ class Controller:
         window = max(config.planner.interval_s * 3, 10.0)
         raw = await self.router.observation.remote(window, config.slo.percentile, warming)
         stats = raw["replicas"]
-        prefill_names = [n for n, s in stats.items() if s.get("pool") in ("prefill", "colocated")]
-        decode_names = [n for n, s in stats.items() if s.get("pool") in ("decode", "colocated")]
+        prefill = [v.stats for v in stats.values() if v.pool.computes_prompts]
+        decode = [v.stats for v in stats.values() if v.pool.decodes]
         observation = Observation(
             time_s=now,
             window_s=window,
@@ -302,13 +302,11 @@ class Controller:
             mean_output_len=raw["mean_output_len"],
             ttft_ms=raw["ttft_ms"],
             tpot_ms=raw["tpot_ms"],
-            prefill_queue_tokens=int(sum(stats[n].get("queued_tokens", 0) for n in prefill_names)),
-            prefill_queue_time_s=float(
-                max((stats[n].get("oldest_wait_s", 0.0) for n in prefill_names), default=0.0)
-            ),
+            prefill_queue_tokens=sum(s.load.queued_tokens for s in prefill),
+            prefill_queue_time_s=max((s.load.oldest_wait_s for s in prefill), default=0.0),
             decode_waiting=int(raw["router_waiting"]),
-            decode_running=int(sum(stats[n].get("running", 0) for n in decode_names)),
-            decode_pending=int(sum(stats[n].get("pending_transfers", 0) for n in decode_names)),
+            decode_running=sum(s.load.running for s in decode),
+            decode_pending=sum(s.decode.pending_transfers for s in decode if s.decode is not None),
             replicas=tuple(
                 ReplicaState(
                     name=r.name, pool=r.pool, age_s=r.age_s(now), draining=r.state == "draining"
@@ -361,7 +359,8 @@ class Controller:
             attainment = await self.router.slo_attainment.remote(60.0, slo.ttft_ms, slo.tpot_ms)
         pools: dict[str, list[dict]] = {}
         for record in sorted(self.replicas.values(), key=lambda r: r.name):
-            s = stats.get(record.name, {})
+            view = stats.get(record.name)
+            load = view.stats.load if view is not None else EngineLoad()
             pools.setdefault(record.pool, []).append(
                 {
                     "name": record.name,
@@ -369,10 +368,10 @@ class Controller:
                     if record.age_s(now) >= self.config.planner.warmup_s or record.state != "ready"
                     else "warming",
                     "age_s": round(record.age_s(now), 1),
-                    "running": s.get("running", 0),
-                    "queued_tokens": s.get("queued_tokens", 0),
-                    "kv_usage": round(float(s.get("kv_usage", 0.0)), 3),
-                    "alive": s.get("alive", record.state == "ready"),
+                    "running": load.running,
+                    "queued_tokens": load.queued_tokens,
+                    "kv_usage": round(load.kv_usage, 3),
+                    "alive": view.alive if view is not None else record.state == "ready",
                 }
             )
         decisions = []

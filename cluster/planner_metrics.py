@@ -18,7 +18,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from cluster.planner import Decision, Planner
+from cluster.planner import Planner
+from cluster.planner_model import Decision
 
 log = logging.getLogger("cluster.planner")
 

@@ -34,6 +34,3 @@ class ColocatedWorker(EngineWorker):
                 )
             engine.add_request(list(prompt_token_ids), params, request_id, forks)
         self.loop.wake()
-
-    def stats(self) -> dict:
-        return self.engine_stats()

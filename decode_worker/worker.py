@@ -16,7 +16,6 @@ Request life on this worker:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from kv_transfer.connector import transport
 from kv_transfer.errors import LeaseError, NoCapacityError
 from kv_transfer.lease import Lease, LeaseTable
 from workers.base import WorkerBase
-from workers.messages import Reservation, TokenBatch
+from workers.messages import DecodeCounters, Reservation, TokenBatch, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -243,14 +242,15 @@ class DecodeWorker(EngineWorker):
                 return True
         return super().cancel(request_id)
 
-    def stats(self) -> dict:
-        stats = self.engine_stats()
+    def stats(self) -> WorkerStats:
         with self.loop.lock:
-            stats["pending_transfers"] = len(self.pending)
-            stats["pending_sequences"] = self._num_pending()
-            stats["leases"] = self.leases.active()
-        stats.update({f"kv_{k}": v for k, v in dataclasses.asdict(self.kv.stats()).items()})
-        return stats
+            counters = DecodeCounters(
+                pending_transfers=len(self.pending),
+                pending_sequences=self._num_pending(),
+                leases=self.leases.active(),
+                kv=self.kv.stats(),
+            )
+        return self.worker_stats(decode=counters)
 
     def shutdown(self) -> None:
         self.kv.stop()

@@ -24,6 +24,7 @@ from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
+from engine.load import EngineLoad
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler, token_logprobs
@@ -223,25 +224,25 @@ class LLMEngine:
             "max_num_seqs": self.config.max_num_seqs,
         }
 
-    def load(self) -> dict:
+    def load(self) -> EngineLoad:
         """Its current load: queues, KV blocks, cache hits (callers hold the engine's lock)."""
         now = time.monotonic()
         bm = self.block_manager
         waiting = self.scheduler.waiting
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(waiting),
-            "queued_tokens": sum(s.num_uncomputed_tokens for s in waiting),
-            "oldest_wait_s": max((now - s.arrival_time for s in waiting), default=0.0),
-            "num_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks,
-            "kv_usage": bm.num_used_blocks / bm.num_blocks,
-            "prefix_hit_tokens": bm.prefix_hit_tokens,
-            "step_cost": None if (cost := self.step_cost.estimate()) is None else cost.to_dict(),
-            "prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "preemptions": self.scheduler.num_preemptions,
-            "max_num_seqs": self.config.max_num_seqs,
-        }
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(waiting),
+            queued_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+            oldest_wait_s=max((now - s.arrival_time for s in waiting), default=0.0),
+            num_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            step_cost=self.step_cost.estimate(),
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
+            preemptions=self.scheduler.num_preemptions,
+            max_num_seqs=self.config.max_num_seqs,
+        )
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests or request_id in self._fork_parent

@@ -17,7 +17,7 @@ worker's ``stats()`` reports ``estimate()``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,13 +44,6 @@ class StepCost:
             return limit
         one = self.decode_step_s(1)
         return max(1, min(limit, int((slack * one - self.base_s) / self.per_seq_s)))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> StepCost:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
 
     @classmethod
     def from_calibration(cls, capacity: dict) -> StepCost:

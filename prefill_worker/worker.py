@@ -27,7 +27,14 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Fork, TokenLogprobs
 from kv_transfer.connector import KVSendStream, transport
 from workers.base import WorkerBase
-from workers.messages import FirstToken, PrefillResult, PrefillTimes, Reservation
+from workers.messages import (
+    FirstToken,
+    PrefillCounters,
+    PrefillResult,
+    PrefillTimes,
+    Reservation,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,16 +167,13 @@ class PrefillWorker(WorkerBase):
         job.done.set()
         return True
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
+        counters = PrefillCounters(self.completed, self.failed, self.transfer_seconds)
         with self.loop.lock:
-            stats = self.engine_stats()
-            stats["running"] = len({id(job) for job in self.jobs.values()})  # transfers too
-        return {
-            **stats,
-            "completed": self.completed,
-            "failed": self.failed,
-            "transfer_seconds": self.transfer_seconds,
-        }
+            stats = self.worker_stats(prefill=counters)
+            jobs = len({id(job) for job in self.jobs.values()})
+        # A prefill runs until its KV is through: the ones still transferring count too.
+        return dataclasses.replace(stats, load=dataclasses.replace(stats.load, running=jobs))
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -9,6 +9,8 @@ import logging
 
 import ray
 
+from workers.pool import Pool
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,7 +30,7 @@ class RouterActor:
         router_config: dict,
         limits: dict,
         slo: dict | None = None,
-        replicas: dict[str, str],
+        replicas: dict[str, Pool],
         colocated: bool,
         namespace: str,
     ) -> dict:
@@ -45,7 +47,7 @@ class RouterActor:
         config = RouterConfig(**router_config)
         self.namespace = namespace
         handles = {name: ray.get_actor(name, namespace=namespace) for name in replicas}
-        decode_pool = "colocated" if colocated else "decode"
+        decode_pool = Pool.COLOCATED if colocated else Pool.DECODE
         any_decode = next(name for name, pool in replicas.items() if pool == decode_pool)
         info = await handles[any_decode].info.remote()
         self.backend = RayBackend(
@@ -84,7 +86,7 @@ class RouterActor:
         return self.urls
 
     # ---- the controller's view and levers -------------------------------------------------
-    async def add_replica(self, name: str, pool: str) -> None:
+    async def add_replica(self, name: str, pool: Pool) -> None:
         self.backend.add_replica(name, pool, ray.get_actor(name, namespace=self.namespace))
 
     async def drain_replica(self, name: str) -> int:

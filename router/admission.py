@@ -240,9 +240,9 @@ class ReplicaCapacity:
     def __init__(self) -> None:
         self.costs: dict[str, StepCost] = {}
 
-    def update(self, replica: str, cost: dict | None) -> None:
+    def update(self, replica: str, cost: StepCost | None) -> None:
         if cost is not None:
-            self.costs[replica] = StepCost.from_dict(cost)
+            self.costs[replica] = cost
 
     def forget(self, replica: str) -> None:
         self.costs.pop(replica, None)

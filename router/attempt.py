@@ -31,6 +31,7 @@ from router.slo_admission import SLOAdmission
 from router.timeline import RequestTimeline
 from router.token_streams import PrefillToken, Retry, TokenStreams, error_message
 from workers.messages import PrefillResult, Reservation, TokenBatch
+from workers.pool import Pool
 
 
 class AttemptFailed(Exception):
@@ -278,7 +279,7 @@ class Attempts:
                 is None
             ):
                 raise NoReplica("no prefill replica is ready")
-            queued = sum(r.stats.get("queued_tokens", 0) for r in self.replicas.pool("prefill"))
+            queued = sum(r.stats.load.queued_tokens for r in self.replicas.pool(Pool.PREFILL))
             if queued + len(request.prompt_token_ids) > limits.max_prefill_queue_tokens:
                 raise Overloaded(
                     f"{queued} prompt tokens are already queued for prefill", retry_after_s=1.0

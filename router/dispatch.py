@@ -12,11 +12,12 @@ from typing import Any
 from engine.sequence import Fork
 from router.backend import GenerateRequest
 from workers.messages import Reservation
+from workers.pool import Pool
 
 
 class Disaggregated:
-    decode_pool = "decode"  # where sequences decode (and hold their KV)
-    prefill_pool = "prefill"  # where prompts are computed
+    decode_pool = Pool.DECODE  # where sequences decode (and hold their KV)
+    prefill_pool = Pool.PREFILL  # where prompts are computed
     has_prefill_pool = True
 
     async def reserve(
@@ -30,7 +31,7 @@ class Disaggregated:
 
 
 class Colocated:
-    decode_pool = prefill_pool = "colocated"
+    decode_pool = prefill_pool = Pool.COLOCATED
     has_prefill_pool = False
 
     async def reserve(

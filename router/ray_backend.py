@@ -52,9 +52,10 @@ from router.decode_line import DecodeLine
 from router.dispatch import Colocated, Disaggregated
 from router.load_window import LoadWindow, RequestSample
 from router.metrics import RouterMetrics
-from router.replicas import ReplicaSet
+from router.replicas import ReplicaSet, ReplicaView
 from router.slo_admission import SLOAdmission
 from router.token_streams import TokenStreams
+from workers.pool import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ class RayBackend(Backend):
         self.migrations_total = 0
 
     # ---- replicas (the controller adds, drains and removes them) ------------------------
-    def add_replica(self, name: str, pool: str, handle: Any) -> None:
+    def add_replica(self, name: str, pool: Pool | str, handle: Any) -> None:
+        pool = Pool(pool)
         self.replicas.add(name, pool, handle)
         if pool == self.decode_pool:
             self.admission.decode_replica_added(name)
@@ -244,7 +246,7 @@ class RayBackend(Backend):
         while time.monotonic() < deadline:
             decode_ok = bool(self.replicas.decode_candidates(self.decode_pool, set()))
             prefill_ok = not self.dispatch.has_prefill_pool or any(
-                r.routable for r in self.replicas.pool("prefill")
+                r.routable for r in self.replicas.pool(Pool.PREFILL)
             )
             if decode_ok and prefill_ok:
                 return
@@ -252,7 +254,7 @@ class RayBackend(Backend):
 
     async def health(self) -> dict[str, Any]:
         decode_ready = sum(r.routable for r in self.replicas.pool(self.decode_pool))
-        prefill_ready = sum(r.routable for r in self.replicas.pool("prefill"))
+        prefill_ready = sum(r.routable for r in self.replicas.pool(Pool.PREFILL))
         ok = decode_ready > 0 and (not self.dispatch.has_prefill_pool or prefill_ready > 0)
         return {
             "status": "ok" if ok else "degraded",
@@ -265,9 +267,9 @@ class RayBackend(Backend):
         replicas = list(self.replicas.by_name.values())
         counters = self.attempts.counters
         return {
-            "queue_tokens": {r.name: r.stats.get("queued_tokens", 0) for r in replicas},
-            "running": {r.name: r.stats.get("running", 0) for r in replicas},
-            "kv_usage": {r.name: r.stats.get("kv_usage", 0.0) for r in replicas},
+            "queue_tokens": {r.name: r.stats.load.queued_tokens for r in replicas},
+            "running": {r.name: r.stats.load.running for r in replicas},
+            "kv_usage": {r.name: r.stats.load.kv_usage for r in replicas},
             "transfer_bytes_total": counters.transfer_bytes,
             "transfer_seconds_total": counters.transfer_seconds,
             "prefills_total": counters.prefills,
@@ -281,7 +283,7 @@ class RayBackend(Backend):
             "prefill_backlog_tokens": self.admission.prefill_backlog_tokens,
         }
 
-    def replica_stats(self) -> dict[str, dict]:
+    def replica_stats(self) -> dict[str, ReplicaView]:
         return self.replicas.summary()
 
     @property
@@ -310,7 +312,7 @@ class RayBackend(Backend):
             if isinstance(result, BaseException):
                 replica.alive = False
             else:
-                replica.stats = {**result, "refreshed_at": now}
+                replica.stats, replica.stats_at = result, now
                 replica.alive = True
                 self.admission.update(replica)
 

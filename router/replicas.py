@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.messages import WorkerStats
+from workers.pool import Pool
+
 # A prefill replica keeps a prompt's prefix affinity unless its queue is this many tokens
 # longer than the shortest one.
 AFFINITY_SLACK_TOKENS = 4096
@@ -15,9 +18,10 @@ AFFINITY_SLACK_TOKENS = 4096
 @dataclass
 class Replica:
     name: str
-    pool: str  # prefill | decode | colocated
+    pool: Pool
     handle: Any
-    stats: dict = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)  # its last report
+    stats_at: float = 0.0  # when it came (time.time())
     alive: bool = True
     draining: bool = False  # takes no new requests; finishes what it has
     in_flight: int = 0  # requests this router sent there that have not finished
@@ -34,7 +38,7 @@ class ReplicaSet:
     def __init__(self) -> None:
         self.by_name: dict[str, Replica] = {}
 
-    def add(self, name: str, pool: str, handle: Any) -> Replica:
+    def add(self, name: str, pool: Pool, handle: Any) -> Replica:
         replica = Replica(name, pool, handle)
         self.by_name[name] = replica
         return replica
@@ -42,16 +46,16 @@ class ReplicaSet:
     def remove(self, name: str) -> Replica | None:
         return self.by_name.pop(name, None)
 
-    def pool(self, pool: str) -> list[Replica]:
+    def pool(self, pool: Pool) -> list[Replica]:
         return [r for r in self.by_name.values() if r.pool == pool]
 
-    def decode_candidates(self, pool: str, exclude: set[str]) -> list[Replica]:
+    def decode_candidates(self, pool: Pool, exclude: set[str]) -> list[Replica]:
         """Routable decode (or colocated) replicas, most free KV first, then fewest running."""
         alive = [r for r in self.pool(pool) if r.routable and r.name not in exclude]
 
         def load(r: Replica) -> tuple:
-            free = r.stats.get("free_blocks", 0) - r.in_flight  # in-flight ones will take blocks
-            return (-free, r.stats.get("running", 0) + r.in_flight, r.name)
+            free = r.stats.load.free_blocks - r.in_flight  # in-flight ones will take blocks
+            return (-free, r.stats.load.running + r.in_flight, r.name)
 
         return sorted(alive, key=load)
 
@@ -61,28 +65,32 @@ class ReplicaSet:
         """Prefix affinity (the same first block → the same replica, where it is cached),
         unless that replica's queue is much longer than the shortest."""
         alive = sorted(
-            (r for r in self.pool("prefill") if r.routable and r.name not in exclude),
+            (r for r in self.pool(Pool.PREFILL) if r.routable and r.name not in exclude),
             key=lambda r: r.name,
         )
         if not alive:
             return None
-        queued = {
-            r.name: r.stats.get("queued_tokens", 0) + r.in_flight * len(prompt) for r in alive
-        }
+        queued = {r.name: r.stats.load.queued_tokens + r.in_flight * len(prompt) for r in alive}
         preferred = alive[hash(tuple(prompt[:block_size])) % len(alive)]
         least = min(alive, key=lambda r: queued[r.name])
         if queued[preferred.name] - queued[least.name] <= AFFINITY_SLACK_TOKENS:
             return preferred
         return least
 
-    def summary(self) -> dict[str, dict]:
+    def summary(self) -> dict[str, ReplicaView]:
         return {
-            r.name: {
-                **r.stats,
-                "pool": r.pool,
-                "alive": r.alive,
-                "draining": r.draining,
-                "in_flight": r.in_flight,
-            }
+            r.name: ReplicaView(r.name, r.pool, r.alive, r.draining, r.in_flight, r.stats)
             for r in self.by_name.values()
         }
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica as the router last saw it (what the controller plans and reports from)."""
+
+    name: str
+    pool: Pool
+    alive: bool
+    draining: bool
+    in_flight: int  # requests this router sent there that have not finished
+    stats: WorkerStats

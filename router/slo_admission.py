@@ -61,7 +61,7 @@ class SLOAdmission:
         """A replica's fresh stats: its step cost, and its slot limit's next value."""
         if self.slo is None:
             return
-        self.capacity.update(replica.name, replica.stats.get("step_cost"))
+        self.capacity.update(replica.name, replica.stats.load.step_cost)
         limit = self.slot_limits.get(replica.name)
         if limit is not None:
             limit.update(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.llm_engine import LLMEngine, StepResult
+from workers.messages import WorkerStats
 from workers.options import WorkerOptions
 from workers.serving_loop import LayerHook, ServingLoop
 
@@ -59,17 +60,21 @@ class WorkerBase:
             capacity["kv_tokens"] = bm.num_blocks * bm.block_size
         return capacity
 
-    def engine_stats(self) -> dict:
-        """The engine's load and the loop's counters (the base of every worker's stats)."""
+    def worker_stats(self, **counters) -> WorkerStats:
+        """The engine's load and the loop's counters, with a subclass's ``counters``."""
         with self.loop.lock:
             load = self.engine.load()
-        return {
-            "name": self.name,
-            **load,
-            "steps": self.loop.steps,
-            "busy_s": self.loop.busy_s,
-            "uptime_s": time.time() - self.started_at,
-        }
+        return WorkerStats(
+            name=self.name,
+            load=load,
+            steps=self.loop.steps,
+            busy_s=self.loop.busy_s,
+            uptime_s=time.time() - self.started_at,
+            **counters,
+        )
+
+    def stats(self) -> WorkerStats:
+        return self.worker_stats()
 
     def shutdown(self) -> None:
         self.loop.stop()

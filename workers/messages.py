@@ -1,13 +1,14 @@
 """The typed messages the worker actors return to the router (over Ray, pickled): what a
-decode reservation, a prefill and a poll give back. Frozen: a message is a fact, not state.
+decode reservation, a prefill, a poll and a stats call give back. Frozen: a message is a fact, not state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from engine.load import EngineLoad
 from engine.sequence import TokenLogprobs
-from kv_transfer.connector import KVHandle
+from kv_transfer.connector import KVHandle, ReceiverStats
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,52 @@ class TokenBatch:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
     finish_reason: str | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillCounters:
+    """A prefill worker's prefills since it started."""
+
+    completed: int = 0
+    failed: int = 0
+    transfer_seconds: float = 0.0  # waiting for the KV's last frames after the first token
+
+
+@dataclass(frozen=True)
+class DecodeCounters:
+    """A decode worker's transfers: waiting for their KV now, and received so far."""
+
+    pending_transfers: int = 0  # reservations whose KV has not arrived
+    pending_sequences: int = 0  # their sequences (a prompt with n choices counts n)
+    leases: int = 0  # leases holding blocks (reserved or receiving)
+    kv: ReceiverStats = field(default_factory=ReceiverStats)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What a worker's ``stats()`` reports (the router refreshes them every second)."""
+
+    name: str = ""
+    load: EngineLoad = field(default_factory=EngineLoad)
+    steps: int = 0  # engine steps run
+    busy_s: float = 0.0  # time spent in them
+    uptime_s: float = 0.0
+    prefill: PrefillCounters | None = None  # prefill workers
+    decode: DecodeCounters | None = None  # decode workers
+
+    @property
+    def unfinished(self) -> int:
+        """Sequences it still holds: running, queued, or waiting for their KV."""
+        pending = self.decode.pending_transfers if self.decode is not None else 0
+        return self.load.running + self.load.waiting + pending
+
+    def to_dict(self) -> dict:
+        """A flat JSON view (for status output and benchmark records)."""
+        view = {"name": self.name, **asdict(self.load)}
+        view.update(steps=self.steps, busy_s=self.busy_s, uptime_s=self.uptime_s)
+        if self.prefill is not None:
+            view.update(asdict(self.prefill))
+        if self.decode is not None:
+            decode = asdict(self.decode)
+            view.update({f"kv_{k}": v for k, v in decode.pop("kv").items()}, **decode)
+        return view

@@ -35,9 +35,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.config import PlannerConfig, PoolConfig, SLOConfig
-from cluster.planner import PoolCapacity
+from cluster.planner_model import PoolCapacity
 from cluster.simulator.cost_model import CostModel
 from cluster.simulator.serving import NO_OVERHEADS, ServingOverheads
+from workers.pool import Pool
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,10 @@ class SimConfig:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1, startup_s >= 0")
 
     @property
-    def pools(self) -> dict[str, PoolConfig]:
+    def pools(self) -> dict[Pool, PoolConfig]:
         if self.mode == "colocated":
-            return {"colocated": self.colocated}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {Pool.COLOCATED: self.colocated}
+        return {Pool.PREFILL: self.prefill, Pool.DECODE: self.decode}
 
     @property
     def gpus_per_replica(self) -> int:
@@ -113,7 +114,7 @@ class Replica:
         "paused",
     )
 
-    def __init__(self, name: str, pool: str, created_t: float, ready_t: float, kv_tokens: int):
+    def __init__(self, name: str, pool: Pool, created_t: float, ready_t: float, kv_tokens: int):
         self.name = name
         self.pool = pool
         self.created_t = created_t

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.planner import PoolCapacity
+from cluster.planner_model import PoolCapacity
 from cluster.simulator.hardware import Hardware
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cluster.simulator.simulation import SimResult
+from cluster.simulator.result import SimResult
 
 
 def recovery_time(result: SimResult, after_s: float, level: float | None = None) -> float:

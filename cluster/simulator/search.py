@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from cluster.config import PoolConfig, SLOConfig
 from cluster.simulator.cluster_model import SimConfig
 from cluster.simulator.cost_model import CostModel
-from cluster.simulator.simulation import SimResult, simulate
+from cluster.simulator.result import SimResult
+from cluster.simulator.simulation import simulate
 from cluster.simulator.workload import Workload, poisson
 
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cluster.simulator.cluster_model import SimConfig
+from cluster.simulator.result import SimResult
 from cluster.simulator.serving import ServingOverheads
-from cluster.simulator.simulation import SimResult, simulate
+from cluster.simulator.simulation import simulate
 from cluster.simulator.workload import Workload
 
 

@@ -11,66 +11,18 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.planner import Decision, Observation, Planner, ReplicaState
+from cluster.planner import Planner
+from cluster.planner_model import Decision, Observation, ReplicaState
 from cluster.simulator.cluster_model import Replica, SimConfig
+from cluster.simulator.result import SimResult
 from cluster.simulator.serving import cpu_slowdown
 from cluster.simulator.workload import Workload
+from workers.pool import Pool
 
 PREFILL_DONE, DECODE_JOIN, DECODE_NEXT, READY, TICK = range(5)
-
-
-@dataclass
-class SimResult:
-    """Per-request latencies (NaN: did not finish) and per-tick time series."""
-
-    config: SimConfig
-    arrival_s: np.ndarray
-    ttft_s: np.ndarray
-    tpot_s: np.ndarray
-    end_s: float
-    gpu_seconds: float
-    ticks: list[dict] = field(default_factory=list)  # one per planner interval
-    decisions: list[Decision] = field(default_factory=list)  # changes only
-
-    @property
-    def finished(self) -> np.ndarray:
-        return ~np.isnan(self.tpot_s)
-
-    def meets_slo(self) -> np.ndarray:
-        slo = self.config.slo
-        tpot = np.where(np.isnan(self.tpot_s), np.inf, self.tpot_s)
-        return (self.ttft_s * 1e3 <= slo.ttft_ms) & (tpot * 1e3 <= slo.tpot_ms)
-
-    def attainment(self) -> float:
-        """Fraction of all requests meeting both SLOs (unfinished ones do not)."""
-        return float(self.meets_slo().mean()) if len(self.ttft_s) else 1.0
-
-    def percentile(self, which: str, p: float) -> float:
-        values = getattr(self, f"{which}_s")
-        values = values[~np.isnan(values)]
-        return float(np.percentile(values, p)) if len(values) else math.nan
-
-    @property
-    def gpu_hours(self) -> float:
-        return self.gpu_seconds / 3600.0
-
-    def summary(self) -> dict:
-        p = self.config.slo.percentile
-        return {
-            "requests": len(self.ttft_s),
-            "finished": int(self.finished.sum()),
-            "attainment": self.attainment(),
-            f"ttft_p{p:g}_ms": self.percentile("ttft", p) * 1e3,
-            f"tpot_p{p:g}_ms": self.percentile("tpot", p) * 1e3,
-            "ttft_p50_ms": self.percentile("ttft", 50) * 1e3,
-            "tpot_p50_ms": self.percentile("tpot", 50) * 1e3,
-            "gpu_hours": self.gpu_hours,
-            "scaling_actions": len(self.decisions),
-        }
 
 
 class Simulation:
@@ -133,7 +85,7 @@ class Simulation:
         self.gpu_t = self.t
         self.gpus += delta
 
-    def _add_replica(self, pool: str, ready_at: float) -> Replica:
+    def _add_replica(self, pool: Pool, ready_at: float) -> Replica:
         r = Replica(f"{pool}-{self.counter}", pool, self.t, ready_at, self.kv_tokens)
         r.t_last = ready_at
         self.counter += 1
@@ -152,7 +104,7 @@ class Simulation:
             self.routable[r.pool].append(r)
             self._admit_waiting()
 
-    def _drain(self, pool: str, count: int) -> None:
+    def _drain(self, pool: Pool, count: int) -> None:
         # Starting ones first (nothing to drain), then the least loaded ready ones.
         live = [r for r in self.replicas if r.pool == pool and not r.draining and not r.removed]
         live.sort(key=lambda r: (r.ready, r.seats + r.outstanding_tokens, -r.created_t))
@@ -230,7 +182,7 @@ class Simulation:
         )
 
     # ---- the router -------------------------------------------------------------------------
-    def _pick(self, pool: str, key) -> Replica | None:
+    def _pick(self, pool: Pool, key) -> Replica | None:
         cands = self.routable[pool]
         d = self.c.route_choices
         if len(cands) > d:
@@ -252,14 +204,14 @@ class Simulation:
             self.waiting.append(rid)
 
     def _seat_pool(self) -> str:
-        return "colocated" if self.c.mode == "colocated" else "decode"
+        return Pool.COLOCATED if self.c.mode == "colocated" else Pool.DECODE
 
     def _reserve(self, rid: int, target: Replica | None = None) -> bool:
         need = self.inp[rid] + self.out[rid]
         seats = self.c.seats
         if target is None:
             pool = self._seat_pool()
-            if pool == "colocated":
+            if pool == Pool.COLOCATED:
                 target = self._pick(
                     pool,
                     lambda r: (r.seats >= seats or r.kv_free < need, r.outstanding_tokens, r.seats),
@@ -282,7 +234,7 @@ class Simulation:
         if self.c.mode == "colocated":
             self._enqueue_prefill(target, rid, target)
         else:
-            p = self._pick("prefill", lambda r: r.outstanding_tokens)
+            p = self._pick(Pool.PREFILL, lambda r: r.outstanding_tokens)
             if p is None:  # no prefill replica: give the seat back, wait
                 target.seats -= 1
                 target.kv_free += need
@@ -326,7 +278,7 @@ class Simulation:
         p.batch = batch
         p.batch_tokens = tokens
         p.queued_tokens -= tokens
-        if p.pool == "colocated":  # the decode clock stops while the prefill runs
+        if p.pool == Pool.COLOCATED:  # the decode clock stops while the prefill runs
             p.advance(self.t)
             p.paused = True
             p.version += 1
@@ -345,14 +297,14 @@ class Simulation:
             if cold:
                 self.cold[rid] |= 1
             self.win["ttft"].append((t + request_s - self.arr[rid], rid))
-            if p.pool == "colocated":
+            if p.pool == Pool.COLOCATED:
                 self._join(d, rid, now=True)
             else:
                 self._push(t + cost.transfer_time(self.inp[rid]) + request_s, DECODE_JOIN, d, rid)
         p.batch = []
         p.batch_tokens = 0
         self._update_host()
-        if p.pool == "colocated":
+        if p.pool == Pool.COLOCATED:
             p.paused = False
             p.t_last = t
             self._reschedule(p)
@@ -447,7 +399,7 @@ class Simulation:
         ttft = [x for x, rid in w["ttft"] if not self.cold[rid] & 1]
         tpot = [x for x, rid in w["tpot"] if not self.cold[rid] & 2]
         live = [r for r in self.replicas if not r.removed]
-        prefill_pool = "colocated" if c.mode == "colocated" else "prefill"
+        prefill_pool = Pool.COLOCATED if c.mode == "colocated" else Pool.PREFILL
         queues = [r for r in live if r.pool == prefill_pool]
         oldest = min((self.enqueued[r.queue[0][0]] for r in queues if r.queue), default=t)
         n = w["arrivals"]

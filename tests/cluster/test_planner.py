@@ -14,17 +14,17 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.config import PlannerConfig, PoolConfig, SLOConfig
-from cluster.planner import (
+from cluster.planner import Planner
+from cluster.planner_metrics import PlannerMetrics
+from cluster.planner_model import (
     Decision,
     Observation,
-    Planner,
     PlannerTuning,
     PoolCapacity,
     ReplicaState,
     tail_factor,
     tail_ttft_s,
 )
-from cluster.planner_metrics import PlannerMetrics
 
 SLO = SLOConfig(ttft_ms=1500, tpot_ms=100, percentile=90)
 CONFIG = PlannerConfig(enabled=True, interval_s=5, cooldown_s=30, max_step=1, warmup_s=10)

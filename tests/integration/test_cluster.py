@@ -33,7 +33,7 @@ def wait_idle(cluster, timeout_s: float = 20.0) -> dict:
     """Every actor's stats once all KV blocks are free again (or the last stats on timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {name: ray.get(h.stats.remote()) for name, h in cluster.workers().items()}
+        stats = {name: ray.get(h.stats.remote()).to_dict() for name, h in cluster.workers().items()}
         decode_free = all(
             s["free_blocks"] == s["num_blocks"] and s.get("leases", 0) == 0
             for n, s in stats.items()
@@ -174,7 +174,7 @@ def test_n_choices_share_one_prefill_and_one_transfer(cluster, openai_client):
         name: router_counter(cluster, name)
         for name in ("pdcluster_prefills_total", "pdcluster_kv_transfers_total")
     }
-    computed = ray.get(prefill.stats.remote())["prompt_tokens_computed"]
+    computed = ray.get(prefill.stats.remote()).load.prompt_tokens_computed
     out = openai_client.completions.create(
         model="tiny",
         prompt=prompt,
@@ -189,7 +189,7 @@ def test_n_choices_share_one_prefill_and_one_transfer(cluster, openai_client):
         assert router_counter(cluster, name) == value + 1, name
     llm = LLM("tiny", progress=False, **ENGINE)
     num_prompt = len(llm.tokenizer.encode(prompt))
-    assert ray.get(prefill.stats.remote())["prompt_tokens_computed"] == computed + num_prompt
+    assert ray.get(prefill.stats.remote()).load.prompt_tokens_computed == computed + num_prompt
     assert out.usage.prompt_tokens == num_prompt and out.usage.completion_tokens == 40
     # choice i is the prompt sampled with seed 7 + i, as one engine samples it
     expected = [

@@ -74,9 +74,9 @@ def test_repeated_system_prompt_is_not_recomputed_on_prefill(ray_session):
         prefill = running.workers()["prefill-0"]
         system = "You are a helpful assistant. Answer briefly and precisely. " * 2  # > 100 tokens
         complete(running.urls["http"], system + "Question one?")
-        before = ray.get(prefill.stats.remote())
+        before = ray.get(prefill.stats.remote()).to_dict()
         complete(running.urls["http"], system + "Another question?")
-        after = ray.get(prefill.stats.remote())
+        after = ray.get(prefill.stats.remote()).to_dict()
         hit = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
         computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
         prompt_len = len(system.encode()) + len("Another question?") + 1  # bytes + BOS

@@ -33,7 +33,7 @@ def greedy(prompt: str, max_tokens: int) -> list[int]:
 
 
 def stats_of(running) -> dict[str, dict]:
-    return {name: ray.get(handle.stats.remote()) for name, handle in running.workers().items()}
+    return {name: ray.get(h.stats.remote()).to_dict() for name, h in running.workers().items()}
 
 
 def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.05):
@@ -181,16 +181,16 @@ def test_decode_actor_killed_mid_stream_migrates_without_gaps(cluster):
 def test_stalled_transfer_returns_its_blocks(cluster):
     wait_pools_ready(cluster)
     decode = ray.get_actor("decode-0", namespace="pdcluster")
-    before = ray.get(decode.stats.remote())
+    before = ray.get(decode.stats.remote()).to_dict()
     # A reservation whose prefill never comes (as if the prefill actor stalled).
     ray.get(decode.reserve.remote("stalled#0", list(range(3, 200)), SamplingParams(max_tokens=4)))
-    during = ray.get(decode.stats.remote())
+    during = ray.get(decode.stats.remote()).to_dict()
     assert (
         during["leases"] == before["leases"] + 1 and during["free_blocks"] < before["free_blocks"]
     )
     after = wait_for(
         lambda: (
-            (s := ray.get(decode.stats.remote()))["leases"] == before["leases"]
+            (s := ray.get(decode.stats.remote()).to_dict())["leases"] == before["leases"]
             and s["pending_transfers"] == 0
             and s
         ),

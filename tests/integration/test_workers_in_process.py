@@ -122,7 +122,7 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
     ]
     forks = (Fork("f-1", seeded[1]), Fork("f-2", seeded[2]))
     reservation = decode.reserve("f-0", prompt, seeded[0], forks)
-    assert decode.stats()["pending_sequences"] == 3
+    assert decode.stats().decode.pending_sequences == 3
     assert decode.cancel("f-0")  # the request itself: its forks still decode
     result = prefill.prefill("f-0", prompt, seeded[0], reservation, forks=forks)
     assert len(result.first_tokens) == 3
@@ -132,12 +132,12 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
     for request_id, params in (("f-1", seeded[1]), ("f-2", seeded[2])):
         assert tokens[request_id] == llm.generate([prompt], params)[0].token_ids
     stats = decode.stats()
-    assert stats["free_blocks"] == stats["num_blocks"] and stats["pending_sequences"] == 0
+    assert stats.load.free_blocks == stats.load.num_blocks and stats.decode.pending_sequences == 0
 
     # Every member cancelled before the KV arrives: the lease goes, the transfer is refused.
     reservation = decode.reserve("g-0", prompt, seeded[0], (Fork("g-1", seeded[1]),))
     assert decode.cancel("g-1") and decode.cancel("g-0")
-    assert decode.stats()["leases"] == 0
+    assert decode.stats().decode.leases == 0
     with pytest.raises(Exception, match="lease|cancel"):
         prefill.prefill(
             "g-0",
@@ -147,4 +147,4 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
             forks=(Fork("g-1", seeded[1]),),
         )
     stats = decode.stats()
-    assert stats["free_blocks"] == stats["num_blocks"]
+    assert stats.load.free_blocks == stats.load.num_blocks

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from engine.step_cost import StepCost
 from router.admission import (
     HEADROOM,
     DecodeSlotLimit,
@@ -165,13 +166,7 @@ def test_head_of_line_time_is_a_recent_mean_and_at_least_the_current_heads_wait(
 
 
 def cost(tokens_per_s: float, base_s: float = 0.05, per_seq_s: float = 0.0, steps: int = 0):
-    return {
-        "base_s": base_s,
-        "per_seq_s": per_seq_s,
-        "per_token_s": 1.0 / tokens_per_s,
-        "decode_steps": steps,
-        "prompt_tokens": 1000,
-    }
+    return StepCost(base_s, per_seq_s, 1.0 / tokens_per_s, decode_steps=steps, prompt_tokens=1000)
 
 
 def test_replica_capacity_from_the_workers_step_costs():

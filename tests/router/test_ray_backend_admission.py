@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from engine.load import EngineLoad
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ByteTokenizer
 from kv_transfer.connector import KVHandle
@@ -17,7 +18,7 @@ from router.backend import GenerateRequest, Overloaded, RequestRejected
 from router.config import RouterLimits
 from router.ray_backend import RayBackend
 from router.timeline import RequestTimeline
-from workers.messages import FirstToken, PrefillResult, Reservation, TokenBatch
+from workers.messages import FirstToken, PrefillResult, Reservation, TokenBatch, WorkerStats
 
 
 class _Method:
@@ -72,8 +73,9 @@ class FakeDecode:
     async def _cancel(self, rid: str) -> bool:
         return self.left.pop(rid, None) is not None
 
-    async def _stats(self) -> dict:
-        return {"running": len(self.left), "free_blocks": 1000, "max_num_seqs": self.capacity}
+    async def _stats(self) -> WorkerStats:
+        load = EngineLoad(running=len(self.left), free_blocks=1000, max_num_seqs=self.capacity)
+        return WorkerStats("decode-0", load)
 
 
 class FakePrefill:
@@ -91,8 +93,8 @@ class FakePrefill:
     async def _cancel(self, rid: str) -> bool:
         return False
 
-    async def _stats(self) -> dict:
-        return {"queued_tokens": 0}
+    async def _stats(self) -> WorkerStats:
+        return WorkerStats("prefill-0")
 
 
 def make_backend(
