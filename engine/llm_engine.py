@@ -21,7 +21,6 @@ from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
@@ -32,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Fork, Sequence, SequenceStatus, TokenLogprobs
 from engine.step_cost import StepCostModel
+from engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed, self.model_config.vocab_size, self.tokenizer)
+        self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
         self._requests: dict[str, Sequence] = {}
         self._fork_parent: dict[str, Sequence] = {}  # a fork not spawned yet → its prompt's seq
         self._prompts: dict[str, str | None] = {}
-        self._stop_watches: dict[int, IncrementalDetokenizer] = {}  # seq_id → its stop watch
         self.num_prompt_tokens_computed = 0  # prompt tokens that went through the model
         self.step_cost = StepCostModel()  # this replica's capacity, from its own steps
         if self.device.type == "cuda":
@@ -418,49 +418,15 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        params = seq.params
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        reason = None
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-                reason = "stop"
-            elif token in params.stop_token_ids:
-                reason = "stop"
-            elif params.stop and self._stop_text_len(seq) is not None:
-                reason = "stop"
-        if reason is None and (
-            num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
+        reason = self.stop_checker.finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-
-    def _stop_text_len(self, seq: Sequence) -> int | None:
-        """Where the output text is cut if it now holds a stop string (sets it on seq).
-        The common case watches the text incrementally (constant work per token); with
-        min_tokens, stops count only once that many are out, so the whole text is searched
-        then."""
-        if seq.params.min_tokens:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-            seq.stop_text_len = min(hits) if hits else None
-            return seq.stop_text_len
-        watch = self._stop_watches.get(seq.seq_id)
-        if watch is None:
-            watch = self._stop_watches[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.params.stop
-            )
-            watch.add(seq.output_token_ids[:-1])
-        watch.add(seq.output_token_ids[-1:])
-        if watch.stopped:
-            seq.stop_text_len = len(watch.output_text())
-        return seq.stop_text_len
 
     def _release(self, seq: Sequence) -> RequestOutput:
         del self._requests[seq.request_id]
         prompt = self._prompts.pop(seq.request_id)
         self.sampler.forget(seq.seq_id)
-        self._stop_watches.pop(seq.seq_id, None)
+        self.stop_checker.forget(seq.seq_id)
         seq.finish_time = time.monotonic()
         text = self.tokenizer.decode(seq.output_token_ids)
         if seq.stop_text_len is not None:

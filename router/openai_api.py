@@ -16,12 +16,12 @@ import dataclasses
 import functools
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +39,13 @@ from router.generation import (
     tokenize_chat,
     tokenize_prompt,
 )
+from router.http_streams import (
+    EventStreamResponse,
+    all_of,
+    close_all,
+    collect,
+    unless_disconnected,
+)
 from router.metrics import RouterMetrics
 from router.openai_format import Prepared, ResponseFormat, sse
 from router.openai_protocol import (
@@ -53,8 +60,6 @@ from router.openai_protocol import (
     validation_error,
 )
 from router.tool_calls import describe_tools, tool_grammar, tool_use
-
-T = TypeVar("T")
 
 
 class OpenAIServer:
@@ -282,22 +287,22 @@ class OpenAIServer:
             if prep.stream:
                 # Every choice's first delta is awaited here, so that a backend refusal
                 # (429/503/400) is the response's status, not an error event in a 200 stream.
-                done, firsts = await _unless_disconnected(
-                    http, lambda: _all_of([s.__anext__ for s in streams])
+                done, firsts = await unless_disconnected(
+                    http, lambda: all_of([s.__anext__ for s in streams])
                 )
                 if done:
                     body = self._events(prep, firsts, streams)
                     streams = []  # the event stream closes them
                     return EventStreamResponse(body)
             else:
-                done, results = await _unless_disconnected(
-                    http, lambda: _all_of([functools.partial(_collect, s) for s in streams])
+                done, results = await unless_disconnected(
+                    http, lambda: all_of([functools.partial(collect, s) for s in streams])
                 )
                 if done:
                     return JSONResponse(self.format.full_response(prep, results))
             return Response(status_code=499)  # the client went away; nobody reads this
         finally:
-            await _close_all(streams)
+            await close_all(streams)
 
     async def _events(self, prep: Prepared, firsts: list[TextDelta], streams):
         """Each choice streams in turn: the others' requests run meanwhile, their tokens
@@ -323,7 +328,7 @@ class OpenAIServer:
             yield sse(err.body())
             yield "data: [DONE]\n\n"
         finally:
-            await _close_all(streams)
+            await close_all(streams)
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -332,96 +337,6 @@ def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[st
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}".strip()}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
-
-
-async def _all_of(works: list[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Run ``works`` side by side; their results in order. The first APIError cancels the
-    rest and is raised as itself (not wrapped in an exception group)."""
-    if len(works) == 1:
-        return [await works[0]()]
-    results: list[Any] = [None] * len(works)
-    errors: list[APIError] = []
-
-    async def run(i: int, scope: anyio.CancelScope) -> None:
-        try:
-            results[i] = await works[i]()
-        except APIError as err:
-            errors.append(err)
-            scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(works)):
-            tg.start_soon(run, i, tg.cancel_scope)
-    if errors:
-        raise errors[0]
-    return results
-
-
-async def _collect(stream) -> list[TextDelta]:
-    return [delta async for delta in stream]
-
-
-async def _close_all(streams) -> None:
-    with anyio.CancelScope(shield=True):
-        for stream in streams:
-            await stream.aclose()  # cancels its request unless it finished
-
-
-async def _unless_disconnected(
-    http: Request, work: Callable[[], Awaitable[T]]
-) -> tuple[bool, T | None]:
-    """Run ``work()`` unless the client disconnects first; then it is cancelled (which closes
-    the generation it awaits, cancelling the request) and (False, None) returned."""
-    result: T | None = None
-    finished = False
-    error: APIError | None = None
-
-    async def watch(scope: anyio.CancelScope) -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
-        try:
-            result = await work()
-            finished = True
-        except APIError as err:  # re-raised below, not wrapped in an exception group
-            error = err
-        tg.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return finished, result
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop, and close their generator, when the client disconnects.
-
-    Starlette only notices a disconnect on its next write under ASGI 2.4; this listens for
-    it all along, so a request waiting on its first token is cancelled at once.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def stream(scope_: anyio.CancelScope) -> None:
-            try:
-                await self.stream_response(send)
-            except OSError:
-                pass  # the client is gone
-            scope_.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stream, tg.cancel_scope)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
 
 
 # ---- the app -----------------------------------------------------------------------------
@@ -470,21 +385,20 @@ def create_app(
         body = APIError(err.status_code, str(err.detail)).body()
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request) -> Response:
+    async def serve(request: Request, prepare: Callable[[dict, float], Prepared]) -> Response:
         arrival = time.monotonic()
         body = await read_json_body(request, config.max_body_bytes)
-        prep = server.prepare_completion(body, arrival)
+        prep = prepare(body, arrival)
         await server.check_grammars(prep)
         return await server.respond(request, prep)
 
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await serve(request, server.prepare_completion)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await read_json_body(request, config.max_body_bytes)
-        prep = server.prepare_chat(body, arrival)
-        await server.check_grammars(prep)
-        return await server.respond(request, prep)
+        return await serve(request, server.prepare_chat)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
