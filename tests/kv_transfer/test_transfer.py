@@ -1,5 +1,6 @@
 """Sender → receiver over gRPC on 127.0.0.1: exact round trips, refusals that change nothing
-and leak nothing, access control (token, TLS), leases freed when a transfer dies."""
+and leak nothing, access control (token, TLS), leases freed when a transfer dies. What every
+transport must do (abort, expiry, a dead sender) is in test_connector_contract.py."""
 
 from __future__ import annotations
 
@@ -313,46 +314,6 @@ def test_tls_transfer_and_plaintext_peer_refused():
 
 
 # ---- dying transfers ------------------------------------------------------------------------
-
-
-def test_abort_releases_the_lease_at_once(receiver):
-    lease = receiver.leases.reserve("req-a", 2 * BLOCK_SIZE)
-    k, v = _layers(2, torch.bfloat16)
-    with KVSender(receiver.address, TOKEN) as sender:
-        stream = sender.open(
-            "req-a", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
-        )
-        stream.send_layer(0, k[0], v[0])
-        _wait(lambda: lease.state == "receiving")
-        stream.abort("prefill failed")
-        _wait(lambda: lease.state == "released")
-    assert receiver.free_blocks() == receiver.cache.num_blocks
-    assert receiver.server.stats.transfers_failed == 1
-
-
-def test_stalled_sender_frees_blocks_after_the_lease_timeout(receiver):
-    """A sender that stops mid-stream (hung, or dead without closing its connection) keeps
-    its lease only until the deadline; the sweeper then frees the blocks."""
-    lease = receiver.leases.reserve("req-k", 2 * BLOCK_SIZE, timeout_s=0.3)
-    k, v = _layers(2, torch.bfloat16)
-    sender = KVSender(receiver.address, TOKEN)
-    stream = sender.open(
-        "req-k", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
-    )
-    stream.send_layer(0, k[0], v[0])
-    _wait(lambda: lease.state == "receiving")
-    assert receiver.free_blocks() == receiver.cache.num_blocks - 2
-    _wait(lambda: lease.state == "released", timeout=2.0)  # the sweeper, not the stream
-    assert lease.release_reason == "expired"
-    assert receiver.free_blocks() == receiver.cache.num_blocks
-    # A frame arriving after expiry is refused without a write.
-    before = snapshot(receiver.cache)
-    with pytest.raises(KVTransferError) as err:
-        stream.send_layer(1, k[1], v[1])
-        stream.finish(0)
-    assert err.value.code == "DEADLINE_EXCEEDED"
-    _others_unchanged(receiver, before, [])
-    sender.close()
 
 
 def test_killed_channel_mid_stream_frees_blocks(receiver):
