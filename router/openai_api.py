@@ -17,7 +17,7 @@ import functools
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -61,6 +61,8 @@ from router.openai_protocol import (
 )
 from router.tool_calls import describe_tools, tool_grammar, tool_use
 
+R = TypeVar("R", bound=CommonRequest)
+
 
 class OpenAIServer:
     """The handlers' logic; one per app. ``api`` labels in metrics: completions, chat."""
@@ -74,6 +76,16 @@ class OpenAIServer:
         self._grammars: GrammarCompiler | None = None  # made for the first grammar asked for
 
     # ---- validation (all of it, before any backend call) ---------------------------------
+    def _validated(self, body: dict[str, Any], kind: str, model: type[R]) -> R:
+        """The body as a ``model`` request, every field checked (400s say which)."""
+        refuse_unserved(body, kind)
+        try:
+            req = model.model_validate(body)
+        except ValidationError as err:
+            raise validation_error(err) from None
+        self._check_common(req)
+        return req
+
     def _check_common(self, req: CommonRequest) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(
@@ -90,12 +102,7 @@ class OpenAIServer:
             )
 
     def prepare_completion(self, body: dict[str, Any], arrival: float) -> Prepared:
-        refuse_unserved(body, "completion")
-        try:
-            req = CompletionRequest.model_validate(body)
-        except ValidationError as err:
-            raise validation_error(err) from None
-        self._check_common(req)
+        req = self._validated(body, "completion", CompletionRequest)
         grammar = grammar_of(req)
         prompts = prompt_list(req.prompt, self.config.max_prompts_per_request)
         many = len(prompts) > 1
@@ -134,12 +141,7 @@ class OpenAIServer:
         )
 
     def prepare_chat(self, body: dict[str, Any], arrival: float) -> Prepared:
-        refuse_unserved(body, "chat")
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as err:
-            raise validation_error(err) from None
-        self._check_common(req)
+        req = self._validated(body, "chat", ChatCompletionRequest)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         grammar = grammar_of(req)
