@@ -9,15 +9,15 @@ Request life on this worker:
    engine loop admits it before its next step, so the transfer's acknowledgement never
    waits for a decode step.
 3. The engine loop decodes; each step's tokens go to the outbox; the router ``poll``s.
-4. Finish, ``cancel`` (client gone) or a lease that expires (prefill died, transfer stalled)
-   frees every block and ends the stream with a reason.
+4. Finish, ``cancel`` (client gone) or a released lease (prefill died, transfer stalled past
+   its deadline or refused: ``_released``) frees every block and ends the stream with a
+   reason.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,14 +28,12 @@ from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Fork
 from kv_transfer.connector import transport
-from kv_transfer.errors import LeaseError, NoCapacityError
+from kv_transfer.errors import NoCapacityError
 from kv_transfer.lease import Lease, LeaseTable
 from workers.base import WorkerBase
 from workers.messages import DecodeCounters, Reservation, TokenBatch, WorkerStats
 
 logger = logging.getLogger(__name__)
-
-EXPIRE_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -79,11 +77,7 @@ class EngineWorker(WorkerBase):
 
     def poll(self, timeout_s: float = 0.05) -> dict[str, TokenBatch]:
         """New tokens of every request since the last poll (waits up to ``timeout_s``)."""
-        self._expire()
         return self.outbox.collect(timeout_s)
-
-    def _expire(self) -> None:
-        pass
 
     def cancel(self, request_id: str) -> bool:
         with self.loop.lock:
@@ -100,9 +94,12 @@ class DecodeWorker(EngineWorker):
         kv = self.options.kv
         self.pending: dict[str, PendingRequest] = {}  # by its request id (its lease's)
         self._member_of: dict[str, str] = {}  # a pending fork → its request id
-        self._last_expire = 0.0
         self.leases = LeaseTable(
-            self.engine.block_manager, self.loop.lock, kv.lease_timeout_s, on_complete=self._arrive
+            self.engine.block_manager,
+            self.loop.lock,
+            kv.lease_timeout_s,
+            on_complete=self._arrive,
+            on_release=self._released,
         )
         self.kv = transport(kv.transport).recv_side(self.engine.model_config.fingerprint(), kv)
         self.kv.start(self.engine.cache, self.leases)
@@ -208,25 +205,20 @@ class DecodeWorker(EngineWorker):
             return
         self._publish(result)
 
-    def _expire(self) -> None:
-        """End pending requests whose lease is gone (transfer failed, timed out or stalled).
-        At most every EXPIRE_INTERVAL_S: it takes the engine lock."""
-        now = time.monotonic()
-        if now - self._last_expire < EXPIRE_INTERVAL_S:
-            return
-        self._last_expire = now
+    def _released(self, lease: Lease) -> None:
+        """A lease went without its KV (the transfer failed, stalled past its deadline, or
+        was refused): its requests end with the reason. On the releasing thread."""
         with self.loop.lock:
-            for request_id, pending in list(self.pending.items()):
-                try:
-                    self.leases.get(pending.lease_id)  # releases it if past its deadline
-                except LeaseError:
-                    self._pop_pending(request_id)
-                    for member in pending.members:
-                        self.outbox.finish(
-                            member.request_id,
-                            "error",
-                            f"{self.name}: KV transfer for {request_id} failed or timed out",
-                        )
+            pending = self.pending.get(lease.request_id)
+            if pending is None or pending.lease_id != lease.lease_id:
+                return  # cancelled by the router (already off the books)
+            self._pop_pending(lease.request_id)
+        for member in pending.members:
+            self.outbox.finish(
+                member.request_id,
+                "error",
+                f"{self.name}: KV transfer for {lease.request_id} failed ({lease.release_reason})",
+            )
 
     def cancel(self, request_id: str) -> bool:
         with self.loop.lock:

@@ -3,7 +3,8 @@
 Life of a lease: ``reserve`` (router asks the decode worker before prefill starts) →
 ``begin`` (the receiver accepts a handshake naming it) → ``complete`` (every layer arrived;
 the blocks now belong to whoever ``on_complete`` hands them to) or ``release`` (refused,
-broken stream, aborted, or past its deadline: the blocks go back to the pool).
+broken stream, aborted, or past its deadline: the blocks go back to the pool, and
+``on_release`` tells the owner, whichever thread released it).
 
 Locks: ``engine_lock`` is the decode worker's engine lock, which guards its BlockManager
 (not thread-safe itself) and which the engine loop holds for a whole step; it is taken only
@@ -75,12 +76,14 @@ class LeaseTable:
         default_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_complete: Callable[[Lease], None] | None = None,
+        on_release: Callable[[Lease], None] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.engine_lock = engine_lock
         self.default_timeout_s = default_timeout_s
         self.clock = clock
         self.on_complete = on_complete
+        self.on_release = on_release
         self._state = threading.Lock()
         self._leases: dict[str, Lease] = {}  # reserved or receiving: blocks owned here
         self._ended: OrderedDict[str, Lease] = OrderedDict()  # complete or released, recent
@@ -115,7 +118,8 @@ class LeaseTable:
 
     def release(self, lease_id: str, reason: str) -> bool:
         """Free the lease's blocks unless it is complete (once no copy into them is in
-        flight). Idempotent; True if this call released it."""
+        flight), then call ``on_release(lease)`` with no lock of the table held. Idempotent;
+        True if this call released it."""
         with self.engine_lock, self._state:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
@@ -127,7 +131,9 @@ class LeaseTable:
                 lease.blocks_owed = True  # the last copy in flight gives them back
             else:
                 self.block_manager.free(list(lease.block_ids))
-            return True
+        if self.on_release is not None:
+            self.on_release(lease)
+        return True
 
     def expire(self) -> list[str]:
         """Release every unfinished lease past its deadline; returns their ids. Called

@@ -119,3 +119,24 @@ def test_writes_take_no_engine_lock_and_a_release_waits_for_a_copy_in_flight():
     finish.set()
     writer.join()
     assert blocks.num_free_blocks == 8  # the copy ended: now they are
+
+
+def test_the_owner_hears_of_every_release_once_with_its_reason():
+    released = []
+    table, blocks, clock = _table(
+        on_release=lambda lease: released.append(
+            (lease.request_id, lease.release_reason, blocks.num_free_blocks)
+        )
+    )
+    refused = table.reserve("refused", 16)
+    stalled = table.reserve("stalled", 16)
+    done = table.reserve("done", 16)
+    table.begin(done.lease_id, "done")
+    table.complete(done, first_token=1)
+    table.release(refused.lease_id, "refused: bad frame")
+    table.release(refused.lease_id, "again")  # idempotent: no second call
+    clock.now += 10
+    assert table.expire() == [stalled.lease_id]
+    table.release(done.lease_id, "late")  # complete: not released, nobody told
+    # told after its block went back (of 8: "done" keeps its own, now its owner's)
+    assert released == [("refused", "refused: bad frame", 6), ("stalled", "expired", 7)]
