@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kv_transfer import frames
+from kv_transfer import wire
 from kv_transfer.errors import FrameError
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ class DataListener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
-            magic = recv_exact(conn, len(frames.DATA_MAGIC))
-            if magic != frames.DATA_MAGIC:
+            magic = recv_exact(conn, len(wire.DATA_MAGIC))
+            if magic != wire.DATA_MAGIC:
                 raise PermissionError("not a KV data connection")
             auth = recv_exact(conn, struct.unpack("<H", recv_exact(conn, 2))[0])
             ticket = recv_exact(conn, struct.unpack("<H", recv_exact(conn, 2))[0])
@@ -163,7 +163,7 @@ def connect(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
-        sock.sendall(frames.data_preamble(token, ticket))
+        sock.sendall(wire.data_preamble(token, ticket))
     except BaseException:
         sock.close()
         raise
@@ -174,7 +174,7 @@ def send_frame(sock: socket.socket, frame) -> None:
     """Write one encoded kv frame (meta, payload parts, crc) with its length prefix, straight
     from the parts' memory (``sendmsg``; TLS sockets have none)."""
     meta, parts, crc = frame
-    buffers = frames.wire_parts(meta, parts, crc, length_prefix=True)
+    buffers = wire.wire_parts(meta, parts, crc, length_prefix=True)
     if isinstance(sock, ssl.SSLSocket):
         for buf in buffers:
             sock.sendall(buf)
@@ -191,7 +191,7 @@ def send_frame(sock: socket.socket, frame) -> None:
 
 def receive_frames(
     conn: socket.socket, check_alive: Callable[[], None], close: Callable[[], None]
-) -> Iterator[frames.WireFrame]:
+) -> Iterator[wire.WireFrame]:
     """A stream's frames from its data connection, until the zero length that ends them. A
     reader thread receives them into a few reused buffers while the caller checks and stores
     the previous one; each frame is valid until the next is asked for. ``check_alive`` raises
@@ -252,7 +252,7 @@ def receive_frames(
             if isinstance(item, BaseException):
                 raise item
             buf, size = item
-            yield frames.parse_wire(buf[:size])
+            yield wire.parse_wire(buf[:size])
             free.put(buf)
     finally:
         stop.set()

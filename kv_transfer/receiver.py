@@ -11,7 +11,7 @@ Any refusal or a broken stream releases the lease before the status goes back; a
 is caught by the lease deadline (sweeper thread) and by the RPC's deadline.
 
 Fast path: the Push method is registered with a hand-written deserializer
-(:func:`frames.parse_wire`), so a frame's payload is a ``memoryview`` of the received message
+(:func:`wire.parse_wire`), so a frame's payload is a ``memoryview`` of the received message
 and goes into the cache through ``torch.frombuffer`` without a copy of its own. A handshake
 asking for a data channel gets one when ``data_channel=True`` here (opt-in): the server
 sends the port of its data listener and a one-use ticket as gRPC initial metadata; the
@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from engine.kv_cache import LayerKV, PagedKVCache
-from kv_transfer import frames
+from kv_transfer import frames, wire
 from kv_transfer.codec import WireSpec, decode_chunk, dtype_from_name
 from kv_transfer.connector import ReceiverStats
 from kv_transfer.data_channel import (
@@ -72,7 +72,7 @@ def _push_handler(server: KVReceiverServer) -> grpc.GenericRpcHandler:
     objects, payloads as memoryviews of the received messages)."""
     push = grpc.stream_unary_rpc_method_handler(
         server._push,
-        request_deserializer=frames.parse_wire,
+        request_deserializer=wire.parse_wire,
         response_serializer=kv_transfer_pb2.PushReply.SerializeToString,
     )
     return grpc.method_handlers_generic_handler("pdcluster.kv_transfer.KVTransfer", {"Push": push})

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from kv_transfer import data_channel, frames
+from kv_transfer import data_channel, frames, wire
 from kv_transfer.codec import (
     WireSpec,
     dtype_name,
@@ -91,7 +91,7 @@ class KVSender:
         # encoded straight to Frame bytes, never through protobuf objects.
         push = self._channel.stream_unary(
             PUSH_METHOD,
-            request_serializer=frames.serialize_wire,
+            request_serializer=wire.serialize_wire,
             response_deserializer=kv_transfer_pb2.PushReply.FromString,
         )
         self._stub = type("KVTransferStub", (), {"Push": push})()

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer import KVSender, frames
+from kv_transfer import KVSender, frames, wire
 from kv_transfer.codec import encode_layer, layer_chunk_parts
 from kv_transfer.receiver import grpc_options
 from kv_transfer.sender import PUSH_METHOD
@@ -42,14 +42,14 @@ L = MODEL.num_layers
     crc=st.integers(0, 2**32 - 1),
 )
 def test_wire_encoding_is_a_protobuf_frame(meta, parts, crc):
-    data = frames.serialize_wire((meta, parts, crc))
+    data = wire.serialize_wire((meta, parts, crc))
     message = kv_transfer_pb2.Frame.FromString(data)
     assert (message.meta, message.payload, message.crc32) == (meta, b"".join(parts), crc)
     if crc:  # proto3 leaves a zero crc out; otherwise the bytes are protobuf's own
         assert data == message.SerializeToString()
-    prefixed = b"".join(frames.wire_parts(meta, parts, crc, length_prefix=True))
+    prefixed = b"".join(wire.wire_parts(meta, parts, crc, length_prefix=True))
     assert prefixed == struct.pack("<I", len(data)) + data
-    parsed = frames.parse_wire(message.SerializeToString())
+    parsed = wire.parse_wire(message.SerializeToString())
     assert parsed.error is None
     assert (bytes(parsed.meta), bytes(parsed.payload), parsed.crc32) == (
         meta,
@@ -61,7 +61,7 @@ def test_wire_encoding_is_a_protobuf_frame(meta, parts, crc):
 @settings(max_examples=300)
 @given(data=st.binary(max_size=64))
 def test_parse_wire_never_raises_and_agrees_with_protobuf(data):
-    parsed = frames.parse_wire(data)
+    parsed = wire.parse_wire(data)
     if parsed.error is not None:
         assert "malformed" in parsed.error
         return
@@ -80,9 +80,9 @@ def test_parse_wire_skips_unknown_fields_and_takes_the_last_value():
         + b"\x0a\x02bc"  # meta = "bc" (last wins)
         + b"\x1d\x01\x00\x00\x00"
     )
-    parsed = frames.parse_wire(data)
+    parsed = wire.parse_wire(data)
     assert parsed.error is None and bytes(parsed.meta) == b"bc" and parsed.crc32 == 1
-    assert frames.parse_wire(b"\x12\x05ab").error  # runs past the end
+    assert wire.parse_wire(b"\x12\x05ab").error  # runs past the end
 
 
 # ---- the data channel ------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_send_layer_copies_unless_told_not_to(receiver):
 
 def _data_connect(receiver, token: str, ticket: str) -> socket.socket:
     conn = socket.create_connection(("127.0.0.1", receiver.server.data_port), timeout=5)
-    conn.sendall(frames.data_preamble(token, ticket))
+    conn.sendall(wire.data_preamble(token, ticket))
     return conn
 
 
@@ -189,7 +189,7 @@ def _kv_wire(layer, k, v, blocks_per_frame=1000, corrupt=False):
     out = []
     for start, count, parts in layer_chunk_parts(encoded, blocks_per_frame):
         meta, parts, crc = frames.encode_kv_parts(layer, start, count, parts)
-        out.append(b"".join(frames.wire_parts(meta, parts, crc ^ corrupt, length_prefix=True)))
+        out.append(b"".join(wire.wire_parts(meta, parts, crc ^ corrupt, length_prefix=True)))
     return out
 
 
@@ -197,7 +197,7 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
     """Handshake over gRPC asking for the data channel, ``data`` (raw bytes) over it, then
     (``finish``) a zero length and (``end``) the end frame. Returns (status, details)."""
     channel = grpc.insecure_channel(address, options=grpc_options())
-    push = channel.stream_unary(PUSH_METHOD, request_serializer=frames.serialize_wire)
+    push = channel.stream_unary(PUSH_METHOD, request_serializer=wire.serialize_wire)
     call = []
     started = threading.Event()  # gRPC may pull the next message before future() returns
 
@@ -230,7 +230,7 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
 def _data_connect_to(address, metadata):
     host = address.rsplit(":", 1)[0]
     conn = socket.create_connection((host, int(metadata["kv-data-port"])), timeout=5)
-    conn.sendall(frames.data_preamble(TOKEN, metadata["kv-data-ticket"]))
+    conn.sendall(wire.data_preamble(TOKEN, metadata["kv-data-ticket"]))
     return conn
 
 
@@ -291,7 +291,7 @@ def test_sender_that_never_connects_is_timed_out(receiver, monkeypatch):
     monkeypatch.setattr("kv_transfer.receiver.DATA_CONNECT_TIMEOUT_S", 0.3)
     lease = receiver.leases.reserve("req-n", 16)
     channel = grpc.insecure_channel(receiver.address, options=grpc_options())
-    push = channel.stream_unary(PUSH_METHOD, request_serializer=frames.serialize_wire)
+    push = channel.stream_unary(PUSH_METHOD, request_serializer=wire.serialize_wire)
     hs = frames.encode_handshake(handshake(lease, data_channel=True))
     future = push.future(iter([hs]), metadata=(("authorization", f"Bearer {TOKEN}"),))
     with pytest.raises(grpc.RpcError) as err:
