@@ -97,6 +97,8 @@ class KVSendSide(ABC):
     """A prefill worker's end of a transport: one per worker, constructed with its cache,
     shared by every request (``open`` from any thread)."""
 
+    transport: str  # the name it is registered under
+
     @abstractmethod
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> KVSendStream:
         """Start the transfer of a prompt of ``num_tokens`` tokens to ``handle``'s lease."""
@@ -162,3 +164,4 @@ def transport(name: str) -> Transport:
 
 def _load_builtin() -> None:
     import kv_transfer.grpc_transport  # noqa: F401  (registers "grpc")
+    import kv_transfer.nixl_transport  # noqa: F401  (registers "nixl"; needs the nixl extra to run)

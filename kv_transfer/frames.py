@@ -11,6 +11,12 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    ``LAYOUT``), followed for fp8 by the K then V scales ``[block_count, num_kv_heads]``
    float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
    groups come in order and without gaps;
+   With the NIXL transport the handshake carries the sender's NIXL agent metadata
+   (``nixl_agent``) and **kv_ready** frames (no payload) stand for kv frames:
+   ``{"type": "kv_ready", "layer", "block_start", "block_count", "slot", "address", "nbytes",
+   "data_crc"}``: the same blocks' payload lies in the sender's registered staging memory at
+   ``address``; the receiver READs it straight into the lease's blocks, checks ``data_crc``
+   (CRC32C of those bytes) and notifies ``"<lease_id>:<slot>"``: the slot may be reused;
 3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``, and
    ``"fork_tokens"`` (the first tokens of the prompt's other sequences, OpenAI's ``n``) when
    there are forks.
@@ -56,6 +62,7 @@ MAX_META_BYTES = 64 * 1024
 HANDSHAKE = "handshake"
 KV = "kv"
 END = "end"
+READY = "kv_ready"
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Handshake:
     layout: str = LAYOUT
     version: int = PROTOCOL_VERSION
     data_channel: bool = False  # the sender asks for a raw TCP data channel for kv frames
+    nixl_agent: bytes = b""  # NIXL transport: the sender's agent metadata (kv_ready frames)
 
     @property
     def num_blocks(self) -> int:
@@ -90,13 +98,26 @@ class KVFrame:
 
 
 @dataclass(frozen=True)
+class ReadyFrame:
+    """NIXL: blocks of one layer waiting in the sender's staging memory (see module doc)."""
+
+    layer: int
+    block_start: int
+    block_count: int
+    slot: int
+    address: int
+    nbytes: int
+    data_crc: int
+
+
+@dataclass(frozen=True)
 class EndFrame:
     first_token: int
     num_kv_frames: int
     fork_tokens: tuple[int, ...] = ()
 
 
-Frame = Handshake | KVFrame | EndFrame
+Frame = Handshake | KVFrame | ReadyFrame | EndFrame
 
 
 def checksum(meta: bytes, payload: bytes) -> int:
@@ -139,6 +160,26 @@ def encode_kv_parts(
     return packed, parts, checksum_parts(packed, parts)
 
 
+def encode_ready(
+    layer: int, block_start: int, block_count: int, slot: int, address: int, data: Sequence
+) -> tuple[bytes, bytes, int]:
+    """A kv_ready frame for ``data`` (buffers, in payload order) staged at ``address``."""
+    data_crc = 0
+    for part in data:
+        data_crc = crc32c.crc32c(part, data_crc)
+    meta = {
+        "type": READY,
+        "layer": layer,
+        "block_start": block_start,
+        "block_count": block_count,
+        "slot": slot,
+        "address": address,
+        "nbytes": sum(memoryview(p).nbytes for p in data),
+        "data_crc": data_crc,
+    }
+    return encode_frame(meta)
+
+
 def encode_end(
     first_token: int, num_kv_frames: int, fork_tokens: Sequence[int] = ()
 ) -> tuple[bytes, bytes, int]:
@@ -178,6 +219,13 @@ def _bool(meta: dict, key: str) -> bool:
     return value
 
 
+def _bytes(meta: dict, key: str) -> bytes:
+    value = meta.get(key, b"")
+    if not isinstance(value, bytes):
+        raise FrameError(f"frame field {key!r} must be bytes, got {type(value).__name__}")
+    return value
+
+
 def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
     """Verify and parse one frame. Raises FrameError (checksum, metadata, types, ranges)."""
     if len(meta) > MAX_META_BYTES:
@@ -206,6 +254,16 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
         )
     if payload:
         raise FrameError(f"a {kind!r} frame carries no payload, got {len(payload)} bytes")
+    if kind == READY:
+        return ReadyFrame(
+            layer=_int(fields, "layer"),
+            block_start=_int(fields, "block_start"),
+            block_count=_int(fields, "block_count", minimum=1),
+            slot=_int(fields, "slot"),
+            address=_int(fields, "address"),
+            nbytes=_int(fields, "nbytes", minimum=1),
+            data_crc=_int(fields, "data_crc"),
+        )
     if kind == HANDSHAKE:
         fingerprint = fields.get("fingerprint")
         if not isinstance(fingerprint, dict):
@@ -221,6 +279,7 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             layout=_str(fields, "layout"),
             version=_int(fields, "version"),
             data_channel=_bool(fields, "data_channel"),
+            nixl_agent=_bytes(fields, "nixl_agent"),
         )
     if kind == END:
         forks = fields.get("fork_tokens", [])

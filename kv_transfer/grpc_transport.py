@@ -58,6 +58,8 @@ class GrpcSendStream(KVSendStream):
 
 
 class GrpcSendSide(KVSendSide):
+    transport = NAME
+
     def __init__(self, cache: PagedKVCache, fingerprint: dict, options: KVTransferOptions) -> None:
         self._cache = cache
         self._fingerprint = fingerprint
@@ -66,12 +68,7 @@ class GrpcSendSide(KVSendSide):
         self._lock = threading.Lock()
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> GrpcSendStream:
-        if handle.transport != NAME:
-            raise KVTransferError(
-                f"a {handle.transport!r} KV handle reached the {NAME!r} transport: the prefill "
-                "and decode pools must use the same kv.transport",
-                "FAILED_PRECONDITION",
-            )
+        self._check_transport(handle)
         cache = self._cache
         stream = self._sender(handle.address).open(
             request_id,
@@ -84,6 +81,14 @@ class GrpcSendSide(KVSendSide):
             cache.dtype,
         )
         return GrpcSendStream(cache, stream)
+
+    def _check_transport(self, handle: KVHandle) -> None:
+        if handle.transport != self.transport:
+            raise KVTransferError(
+                f"a {handle.transport!r} KV handle reached the {self.transport!r} transport: the "
+                "prefill and decode pools must use the same kv.transport",
+                "FAILED_PRECONDITION",
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -108,6 +113,8 @@ class GrpcSendSide(KVSendSide):
 
 
 class GrpcRecvSide(KVRecvSide):
+    transport = NAME
+
     def __init__(self, fingerprint: dict, options: KVTransferOptions) -> None:
         self._fingerprint = fingerprint
         self._options = options
@@ -124,14 +131,18 @@ class GrpcRecvSide(KVRecvSide):
             token=options.token,
             tls_cert=options.tls_cert,
             tls_key=options.tls_key,
-            data_channel=options.data_channel,
+            **{"data_channel": options.data_channel, **self._server_options(cache)},
         )
         self.server.start()
+
+    def _server_options(self, cache: PagedKVCache) -> dict:
+        """What a transport built on this one adds to the receiver server."""
+        return {}
 
     def handle_for(self, lease: Lease) -> KVHandle:
         if self.server is None:
             raise KVTransferError("the KV receiver is not started", "UNAVAILABLE")
-        return KVHandle(NAME, lease.lease_id, self.server.address)
+        return KVHandle(self.transport, lease.lease_id, self.server.address)
 
     def stats(self) -> ReceiverStats:
         return ReceiverStats() if self.server is None else self.server.stats

@@ -27,6 +27,11 @@ class KVTransferOptions:
         if self.transport not in transport_names():
             known = ", ".join(transport_names())
             raise EngineError(f"kv transport must be one of {known}, got {self.transport!r}")
+        if self.transport == "nixl":
+            from kv_transfer.nixl_agent import nixl_unavailable
+
+            if (why := nixl_unavailable()) is not None:
+                raise EngineError(f"kv transport nixl: {why}")
         if self.wire_dtype not in ("fp8", "passthrough"):
             raise EngineError(f"kv wire_dtype must be fp8 or passthrough, got {self.wire_dtype!r}")
         if self.lease_timeout_s <= 0:

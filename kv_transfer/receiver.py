@@ -48,7 +48,7 @@ from kv_transfer.data_channel import (
     receive_frames,
     tls_context,
 )
-from kv_transfer.errors import FrameError, KVTransferError
+from kv_transfer.errors import FrameError, HandshakeError, KVTransferError
 from kv_transfer.lease import Lease, LeaseTable
 from protos import kv_transfer_pb2
 
@@ -103,6 +103,7 @@ class KVReceiverServer:
         max_workers: int = 8,
         data_channel: bool = False,
         data_port: int = 0,
+        nixl=None,
     ) -> None:
         if not token:
             raise ValueError("the KV receiver needs a non-empty shared token")
@@ -125,6 +126,7 @@ class KVReceiverServer:
         self.data_channel = data_channel
         self.data_port = data_port
         self._data: DataListener | None = None
+        self.nixl = nixl  # NIXL transport: takes kv_ready frames (kv_transfer.nixl_transport)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> int:
@@ -242,6 +244,7 @@ class _Transfer:
         self.data: socket.socket | None = None
         self.used_data_channel = False
         self._ticket: str | None = None
+        self.nixl = None  # NIXL: this stream's reader (kv_transfer.nixl_transport)
 
     def release_unless_complete(self) -> None:
         if self.lease is not None and not self.completed:
@@ -278,6 +281,12 @@ class _Transfer:
                 self.cache.head_dim,
                 dtype_from_name(handshake.payload_dtype),
             )
+            if handshake.nixl_agent:
+                if self.server.nixl is None:
+                    raise HandshakeError(
+                        "this receiver takes no NIXL transfers (its kv.transport is not nixl)"
+                    )
+                self.nixl = self.server.nixl.stream(handshake, self.cache)
             if handshake.data_channel:
                 if self.server._data is not None:
                     self._open_data_channel(lease)
@@ -367,24 +376,19 @@ class _Transfer:
                 leases.complete(lease, frame.first_token, frame.fork_tokens)
                 self.completed = True
                 return
-            if not isinstance(frame, frames.KVFrame):
+            if isinstance(frame, frames.Handshake):
                 raise FrameError("a second handshake in one KV stream")
             layer, start, count = frame.layer, frame.block_start, frame.block_count
-            if layer >= num_layers:
-                raise FrameError(f"layer {layer} out of range (model has {num_layers})")
-            if start + count > num_blocks:
-                raise FrameError(
-                    f"blocks [{start}, {start + count}) of layer {layer} out of range "
-                    f"(the sequence has {num_blocks})"
-                )
-            if start != next_block[layer]:
-                what = (
-                    "duplicate layer" if next_block[layer] == num_blocks else "blocks out of order"
-                )
-                raise FrameError(
-                    f"{what}: layer {layer} frame starts at block {start}, "
-                    f"expected {next_block[layer]}"
-                )
+            _check_blocks(layer, start, count, next_block, num_blocks)
+            if isinstance(frame, frames.ReadyFrame):  # NIXL: the blocks wait at the sender
+                if self.nixl is None:
+                    raise FrameError("a kv_ready frame in a stream that did not ask for NIXL")
+                ids = lease.block_ids[start : start + count]
+                leases.write(lease, self.nixl.read, lease.lease_id, frame, ids)
+                next_block[layer] += count
+                num_kv_frames += 1
+                self.payload_bytes += frame.nbytes
+                continue
             with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
                 blocks = LayerKV(
                     *decode_chunk(frame.payload, count, spec, cache.dtype, cache.device)
@@ -395,6 +399,26 @@ class _Transfer:
             num_kv_frames += 1
             self.payload_bytes += memoryview(frame.payload).nbytes
         raise FrameError("KV stream truncated: it ended before the final frame")
+
+
+def _check_blocks(
+    layer: int, start: int, count: int, next_block: list[int], num_blocks: int
+) -> None:
+    """A frame's blocks are in range and the next ones its layer expects (``next_block``:
+    per layer, the next block index expected)."""
+    if layer >= len(next_block):
+        raise FrameError(f"layer {layer} out of range (model has {len(next_block)})")
+    if start + count > num_blocks:
+        raise FrameError(
+            f"blocks [{start}, {start + count}) of layer {layer} out of range "
+            f"(the sequence has {num_blocks})"
+        )
+    expected = next_block[layer]
+    if start != expected:
+        what = "duplicate layer" if expected == num_blocks else "blocks out of order"
+        raise FrameError(
+            f"{what}: layer {layer} frame starts at block {start}, expected {expected}"
+        )
 
 
 def _chain(data_messages, grpc_messages, transfer: _Transfer):

@@ -26,7 +26,7 @@ import queue
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -47,7 +47,9 @@ from protos import kv_transfer_pb2
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 PUSH_METHOD = "/pdcluster.kv_transfer.KVTransfer/Push"
 _DONE = object()  # ends the request iterator
-_KV, _CONTROL = 0, 1  # queued items: kv frames may take the data channel, control frames not
+# Queued items: kv frames may take the data channel, control frames not; a lazy frame is
+# encoded (and checksummed) on the drain thread, then sent as a control frame.
+_KV, _CONTROL, _LAZY = 0, 1, 2
 _STATUS_WAIT_S = 2.0  # after a data-channel error: how long to wait for the receiver's status
 
 
@@ -112,9 +114,11 @@ class KVSender:
         num_layers: int,
         wire_dtype: str,
         cache_dtype: torch.dtype,
+        nixl_agent: bytes = b"",
     ) -> TransferStream:
         """Start the RPC and send the handshake. ``wire_dtype``: "passthrough" or "fp8";
-        ``cache_dtype``: the dtype of the blocks ``send_layer`` will get."""
+        ``cache_dtype``: the dtype of the blocks ``send_layer`` will get. ``nixl_agent``: the
+        NIXL transport's agent metadata (its blocks then go as ``send_encoded`` frames)."""
         payload_dtype = payload_dtype_for(wire_dtype, cache_dtype)
         handshake = frames.Handshake(
             request_id=request_id,
@@ -124,7 +128,8 @@ class KVSender:
             num_tokens=num_tokens,
             wire_dtype=wire_dtype,
             payload_dtype=dtype_name(payload_dtype),
-            data_channel=self.data_channel,
+            data_channel=self.data_channel and not nixl_agent,
+            nixl_agent=nixl_agent,
         )
         spec = WireSpec(
             block_size,
@@ -226,6 +231,18 @@ class TransferStream:
             self.payload_bytes += sum(p.nbytes for p in parts)
             self._num_kv_frames += 1
 
+    @property
+    def deadline(self) -> float:
+        """When this transfer times out (time.monotonic)."""
+        return self._deadline
+
+    def send_encoded(self, encode: Callable[[], tuple[bytes, bytes, int]], nbytes: int) -> None:
+        """Queue a frame that ``encode()`` makes on the drain thread (a NIXL kv_ready frame,
+        whose checksum covers ``nbytes`` of staged blocks); it counts as a kv frame."""
+        self._put((_LAZY, encode))
+        self.payload_bytes += nbytes
+        self._num_kv_frames += 1
+
     def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
         """Send the final frame (the first token, and the forks' first tokens) and wait for
         the receiver's answer. Raises KVTransferError with the receiver's status code and
@@ -295,6 +312,8 @@ class TransferStream:
                 kind, frame = item
                 if kind == _KV:
                     frame = frames.encode_kv_parts(*frame)
+                elif kind == _LAZY:
+                    kind, frame = _CONTROL, frame()
                 if self._data is not None:
                     try:
                         if kind == _KV:

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -70,6 +70,20 @@ class PrefillCounters:
     transfers: int = 0  # and the KV transfers they made
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    # per transport (kv.transport): [transfers, bytes, seconds]
+    by_transport: dict[str, list] = field(default_factory=dict)
+
+    def count(self, result: PrefillResult) -> None:
+        self.prefills += 1
+        if not result.transferred:
+            return
+        self.transfers += 1
+        self.transfer_bytes += result.transfer_bytes
+        self.transfer_seconds += result.transfer_seconds
+        mine = self.by_transport.setdefault(result.transport, [0, 0, 0.0])
+        mine[0] += 1
+        mine[1] += result.transfer_bytes
+        mine[2] += result.transfer_seconds
 
 
 class Attempts:
@@ -408,11 +422,7 @@ class Attempts:
             self.streams.signal(
                 rid, PrefillToken(first.token_id, first.logprob, result.prompt_logprobs)
             )
-        counters = self.counters
-        counters.transfer_bytes += result.transfer_bytes
-        counters.transfer_seconds += result.transfer_seconds
-        counters.prefills += 1
-        counters.transfers += 1 if result.transferred else 0
+        self.counters.count(result)
         return result
 
     def _signal_all(self, worker_rids: list[str], event: Retry) -> None:

@@ -21,7 +21,8 @@ Series (the planner in cluster/ reads these names):
   ``pdcluster_running_requests{actor}``, ``pdcluster_kv_usage{actor}`` (fraction),
   ``pdcluster_decode_slot_limit{actor}`` (SLO-aware admission's limit per decode actor),
   ``pdcluster_kv_transfer_bytes_total``, ``pdcluster_kv_transfer_seconds_total``,
-  ``pdcluster_kv_transfers_total``, ``pdcluster_prefills_total``, and any
+  ``pdcluster_kv_transfers_total``, ``pdcluster_prefills_total``, the same by transport
+  (``pdcluster_kv_transport_{transfers,bytes,seconds}_total{transport}``), and any
   other numeric key as ``pdcluster_backend_<key>`` (e.g. ``router_waiting``).
 """
 
@@ -183,7 +184,21 @@ class _BackendStatsCollector(Collector):
         for key, name, doc in counters:
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))
-        known = {key for key, _, _ in per_actor + counters}
+        per_transport = (
+            (
+                "transport_transfers",
+                "pdcluster_kv_transport_transfers",
+                "KV transfers by transport",
+            ),
+            ("transport_bytes", "pdcluster_kv_transport_bytes", "KV bytes moved by transport"),
+            ("transport_seconds", "pdcluster_kv_transport_seconds", "Time moving KV by transport"),
+        )
+        for key, name, doc in per_transport:
+            family = CounterMetricFamily(name, doc, labels=["transport"])
+            for transport, value in sorted((stats.get(key) or {}).items()):
+                family.add_metric([str(transport)], float(value))
+            yield family
+        known = {key for key, _, _ in per_actor + counters + per_transport}
         for key, value in sorted(stats.items()):
             if key in known or isinstance(value, bool) or not isinstance(value, int | float):
                 continue

@@ -57,6 +57,7 @@ class PrefillResult:
     transfer_bytes: int = 0  # KV payload bytes sent
     transfer_seconds: float = 0.0
     transferred: bool = True  # whether a KV transfer completed
+    transport: str = ""  # which (kv.transport) carried it
 
     @property
     def first_token(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from engine.block_manager import BlockManager
 from kv_transfer import KVHandle, KVTransferError, transport, transport_names
 from kv_transfer.lease import LeaseTable
+from kv_transfer.nixl_agent import nixl_unavailable
 from kv_transfer.options import KVTransferOptions
 from tests.kv_transfer.helpers import (
     BLOCK_SIZE,
@@ -70,6 +71,9 @@ class Pair:
 
 @pytest.fixture(params=VARIANTS, ids=IDS)
 def variant(request):
+    name, _ = request.param
+    if name == "nixl" and (why := nixl_unavailable()) is not None:
+        pytest.skip(why)
     return request.param
 
 

@@ -1,0 +1,102 @@
+"""One NIXL agent (UCX underneath: shared memory or TCP between hosts' processes, RDMA, CUDA
+IPC) as the NIXL transport uses it: memory registered once, peers added from their metadata,
+READs from a peer's memory into ours, and the notifications a peer's READ leaves here.
+
+NIXL is an optional extra (``pip install 'pdcluster[nixl]'``, the ``nixl-cu12`` wheel, which
+also runs without a GPU): :func:`nixl_unavailable` says why it cannot be used, if it cannot.
+Thread-safety: the agent is made with NIXL's strict thread sync, so any thread may call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from kv_transfer.errors import KVTransferError
+
+_POLL_S = 0.0002  # between looks at a READ in flight
+
+
+def _api():
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def nixl_unavailable() -> str | None:
+    """Why the NIXL transport cannot run here, or None if it can."""
+    if _api() is None:
+        return "NIXL is not installed: pip install 'pdcluster[nixl]' (the nixl-cu12 wheel)"
+    return None
+
+
+class NixlAgent:
+    def __init__(self, role: str) -> None:
+        api = _api()
+        if api is None:
+            raise KVTransferError(nixl_unavailable() or "NIXL is not installed", "UNAVAILABLE")
+        self.name = f"pdcluster-{role}-{uuid.uuid4().hex[:12]}"
+        config = api.nixl_agent_config(
+            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
+        self._agent = api.nixl_agent(self.name, config)
+        self._peers: dict[bytes, str] = {}  # metadata → peer name
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor``'s memory readable by peers (and a target of our READs). Once per
+        tensor: registration pins and maps the memory."""
+        self._agent.register_memory(tensor)
+
+    def metadata(self) -> bytes:
+        """What a peer needs to READ this agent's registered memory (a few hundred bytes)."""
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._peers.get(metadata)
+        if name is None:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers[metadata] = name
+        return name
+
+    def read(
+        self,
+        peer: str,
+        local: list[tuple[int, int]],
+        remote: list[tuple[int, int]],
+        notification: bytes,
+        deadline: float,
+    ) -> None:
+        """Copy each remote (address, bytes) of ``peer`` into the local one of the same size,
+        then leave ``notification`` at the peer. Blocks until done; KVTransferError if the
+        READ fails or ``deadline`` (time.monotonic) passes first, in which case it is aborted
+        (releasing a request in flight cancels it) before the error is raised, so nothing of
+        it lands after this returns."""
+        to_descs = lambda regions: self._agent.get_xfer_descs(  # noqa: E731
+            np.array([(addr, size, 0) for addr, size in regions], dtype=np.uint64), "DRAM"
+        )
+        handle = self._agent.initialize_xfer(
+            "READ", to_descs(local), to_descs(remote), peer, notification
+        )
+        try:
+            state = self._agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVTransferError("NIXL read timed out", "DEADLINE_EXCEEDED")
+                time.sleep(_POLL_S)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise KVTransferError(f"NIXL read from {peer} failed ({state})", "UNAVAILABLE")
+        finally:
+            self._agent.release_xfer_handle(handle)  # raises if it cannot abort one in flight
+
+    def notifications(self) -> list[bytes]:
+        """Notifications peers left here since the last call."""
+        return [n for notes in self._agent.get_new_notifs().values() for n in notes]
