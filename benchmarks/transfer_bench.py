@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.transfer_nixl_bench import NIXL_MODES, measure_memcpy, measure_nixl
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import PagedKVCache
@@ -48,7 +49,17 @@ LLAMA3_8B = ModelConfig(
     rope=RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0),
 )
 TOKEN = "bench-token"
-MODES = ("passthrough", "fp8", "fp8-codec")
+GRPC_MODES = ("passthrough", "fp8", "fp8-codec")
+MODES = GRPC_MODES + NIXL_MODES
+
+
+def available_modes() -> tuple[str, ...]:
+    """Every mode, less the NIXL ones where NIXL is not installed."""
+    from kv_transfer.nixl_agent import nixl_unavailable
+
+    return MODES if nixl_unavailable() is None else GRPC_MODES
+
+
 GB = 1e9
 
 
@@ -177,7 +188,7 @@ def measure_raw_socket(total_bytes: int, chunk_bytes: int, repeats: int) -> dict
 def run_transfer_benchmark(
     token_counts: list[int],
     *,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] | None = None,
     block_size: int = 16,
     repeats: int = 2,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -186,7 +197,9 @@ def run_transfer_benchmark(
     log=print,
     data_channel: bool = False,
 ) -> list[dict]:
-    """One row per token count: raw socket, then each mode. Returns the rows (also printed)."""
+    """One row per token count: raw socket (and memcpy), then each mode (by default
+    ``available_modes()``). Returns the rows (also printed)."""
+    modes = available_modes() if modes is None else modes
     log(
         f"layer stack: {model.num_layers} layers x {model.num_kv_heads} kv heads x head_dim "
         f"{model.head_dim}, bf16 cache, block {block_size}; frames <= {max_frame_bytes >> 20} "
@@ -196,6 +209,9 @@ def run_transfer_benchmark(
     )
     # Warm-up: gRPC channel setup, codec paths.
     for mode in modes:
+        if mode in NIXL_MODES:
+            measure_nixl(model, 64, mode, block_size=block_size, repeats=1)
+            continue
         measure_grpc(
             model,
             64,
@@ -212,7 +228,15 @@ def run_transfer_benchmark(
         padded = kv_bytes(model, blocks * block_size)
         raw = measure_raw_socket(padded, max_frame_bytes, repeats)
         row = {"tokens": tokens, "kv_mib": kv_bytes(model, tokens) / 2**20, "raw_gb_s": raw["gb_s"]}
+        if set(modes) & set(NIXL_MODES):
+            row["memcpy_gb_s"] = measure_memcpy(padded, repeats)["gb_s"]
         for mode in modes:
+            if mode in NIXL_MODES:
+                row[mode] = measure_nixl(
+                    model, tokens, mode, block_size=block_size, repeats=repeats
+                )
+                row[mode]["effective_kv_gb_s"] = kv_bytes(model, tokens) / row[mode]["seconds"] / GB
+                continue
             row[mode] = measure_grpc(
                 model,
                 tokens,
@@ -230,6 +254,8 @@ def run_transfer_benchmark(
 
 def format_header(modes: tuple[str, ...]) -> str:
     cols = ["tokens", "KV MiB (bf16)", "raw socket GB/s"]
+    if set(modes) & set(NIXL_MODES):
+        cols.append("memcpy GB/s")
     for mode in modes:
         cols += [f"{mode} payload GB/s", f"{mode} effective KV GB/s"]
     return "| " + " | ".join(cols) + " |\n|" + "---:|" * len(cols)
@@ -237,14 +263,21 @@ def format_header(modes: tuple[str, ...]) -> str:
 
 def format_row(row: dict, modes: tuple[str, ...]) -> str:
     cells = [str(row["tokens"]), f"{row['kv_mib']:.0f}", f"{row['raw_gb_s']:.2f}"]
-    base = row["passthrough"]["effective_kv_gb_s"] if "passthrough" in row else None
+    if "memcpy_gb_s" in row:
+        cells.append(f"{row['memcpy_gb_s']:.2f}")
+    grpc = row["passthrough"]["payload_gb_s"] if "passthrough" in row else None
     for mode in modes:
         m = row[mode]
         payload = f"{m['payload_gb_s']:.2f}"
         if mode == "passthrough":
             payload += f" ({m['payload_gb_s'] / row['raw_gb_s']:.0%} of raw)"
+        if mode == "nixl":
+            payload += f" ({m['payload_gb_s'] / row['memcpy_gb_s']:.0%} of memcpy"
+            payload += f", {m['payload_gb_s'] / grpc:.1f}x gRPC)" if grpc else ")"
+        base_mode = "nixl" if mode in NIXL_MODES else "passthrough"
+        base = row[base_mode]["effective_kv_gb_s"] if base_mode in row else None
         eff = f"{m['effective_kv_gb_s']:.2f}"
-        if base and mode != "passthrough":
+        if base and mode != base_mode:
             eff += f" ({m['effective_kv_gb_s'] / base:.2f}x)"
         cells += [payload, eff]
     return "| " + " | ".join(cells) + " |"
@@ -256,7 +289,11 @@ def add_transfer_parser(bench_subparsers) -> None:
         "transfer", help="KV transfer GB/s (passthrough, fp8) vs a raw TCP socket, on loopback"
     )
     p.add_argument("--tokens", default="1024,4096,16384,32768", help="comma-separated counts")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {MODES}")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated from {MODES} (default: all; the nixl ones where NIXL is installed)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="best of this many transfers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-frame-mib", type=float, default=DEFAULT_MAX_FRAME_BYTES / 2**20)
@@ -277,7 +314,10 @@ def add_transfer_parser(bench_subparsers) -> None:
 
 
 def run_transfer_cli(args) -> int:
-    modes = tuple(m for m in args.modes.split(",") if m)
+    if args.modes is None:
+        modes = available_modes()
+    else:
+        modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")

@@ -4,12 +4,17 @@ READs from a peer's memory into ours, and the notifications a peer's READ leaves
 
 NIXL is an optional extra (``pip install 'pdcluster[nixl]'``, the ``nixl-cu12`` wheel, which
 also runs without a GPU): :func:`nixl_unavailable` says why it cannot be used, if it cannot.
+Progress: NIXL's own progress thread spins on a core for the agent's whole life (on a 2-core
+host, a worker's whole share), so the agent runs without it and this module progresses it
+instead: a READ's initiator while it waits for the READ, and a thread of its own that polls
+only while some of this agent's memory is held for peers to read (``hold``/``unhold``).
 Thread-safety: the agent is made with NIXL's strict thread sync, so any thread may call.
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 import uuid
 
@@ -18,7 +23,7 @@ import torch
 
 from kv_transfer.errors import KVTransferError
 
-_POLL_S = 0.0002  # between looks at a READ in flight
+_POLL_S = 0.00005  # between looks at a READ in flight, or at peers reading held memory
 
 
 def _api():
@@ -44,10 +49,51 @@ class NixlAgent:
             raise KVTransferError(nixl_unavailable() or "NIXL is not installed", "UNAVAILABLE")
         self.name = f"pdcluster-{role}-{uuid.uuid4().hex[:12]}"
         config = api.nixl_agent_config(
-            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self._agent = api.nixl_agent(self.name, config)
         self._peers: dict[bytes, str] = {}  # metadata → peer name
+        self._notes: list[bytes] = []  # notifications collected by the progress thread
+        self._held = 0  # pieces of our memory peers are still to read
+        self._cond = threading.Condition()
+        self._closed = False
+        self._progress = threading.Thread(target=self._progress_loop, daemon=True)
+        self._progress.start()
+
+    def hold(self) -> None:
+        """A piece of our memory is waiting for a peer's READ: progress until ``unhold``."""
+        with self._cond:
+            self._held += 1
+            self._cond.notify()
+
+    def unhold(self, count: int = 1) -> None:
+        with self._cond:
+            self._held = max(0, self._held - count)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._progress.join(2.0)
+
+    def _progress_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._held and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+            notes = self._collect()
+            if notes:
+                with self._cond:
+                    self._notes += notes
+            time.sleep(_POLL_S)
+
+    def _collect(self) -> list[bytes]:
+        # Asking for notifications progresses the agent's UCX workers.
+        return [n for notes in self._agent.get_new_notifs().values() for n in notes]
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor``'s memory readable by peers (and a target of our READs). Once per
@@ -99,4 +145,7 @@ class NixlAgent:
 
     def notifications(self) -> list[bytes]:
         """Notifications peers left here since the last call."""
-        return [n for notes in self._agent.get_new_notifs().values() for n in notes]
+        fresh = self._collect()
+        with self._cond:
+            notes, self._notes = self._notes + fresh, []
+        return notes

@@ -92,6 +92,7 @@ class StagingPool:
                 for slot, held in enumerate(self._owner):
                     if held is None:
                         self._owner[slot] = owner
+                        self.agent.hold()
                         return slot
                 if time.monotonic() > deadline:
                     raise KVTransferError("KV staging memory stayed full", "DEADLINE_EXCEEDED")
@@ -99,7 +100,9 @@ class StagingPool:
 
     def release_all(self, owner: str) -> None:
         with self._cond:
+            freed = self._owner.count(owner)
             self._owner = [None if held == owner else held for held in self._owner]
+            self.agent.unhold(freed)
             self._cond.notify_all()
 
     def _collect(self) -> None:
@@ -108,6 +111,7 @@ class StagingPool:
             owner, _, slot = note.decode(errors="replace").rpartition(":")
             if slot.isdigit() and int(slot) < len(self._owner) and self._owner[int(slot)] == owner:
                 self._owner[int(slot)] = None
+                self.agent.unhold()
 
 
 class NixlSendStream(KVSendStream):
@@ -188,6 +192,10 @@ class NixlSendSide(GrpcSendSide):
         )
         return NixlSendStream(cache, self.pool, stream)
 
+    def close(self) -> None:
+        super().close()
+        self.agent.close()
+
 
 class NixlStreamReader:
     """The receive side of one NIXL stream: READs each kv_ready frame's slot into the lease's
@@ -249,9 +257,16 @@ class NixlReceiver:
 
 class NixlRecvSide(GrpcRecvSide):
     transport = NAME
+    _nixl: NixlReceiver | None = None
 
     def _server_options(self, cache: PagedKVCache) -> dict:
-        return {"nixl": NixlReceiver(cache), "data_channel": False}
+        self._nixl = NixlReceiver(cache)
+        return {"nixl": self._nixl, "data_channel": False}
+
+    def stop(self) -> None:
+        super().stop()
+        if self._nixl is not None:
+            self._nixl.agent.close()
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int]]:

@@ -1,0 +1,131 @@
+"""The NIXL path of ``pdcluster bench transfer``: the same layer stack through the KV connector
+with ``kv.transport: nixl`` (send side → READs into a receive side's cache under a lease), next
+to a plain memcpy of the same bytes in the same run.
+
+Modes: ``nixl`` (bf16 pages into a bf16 cache) and ``nixl-fp8`` (fp8 pages with their scales
+into an fp8 cache: NIXL moves pages as they are). The receiver runs in a process of
+its own, as a decode worker does; the source cache holds one layer's blocks, viewed as every
+layer (memory stays one layer's worth; the bytes sent are the same).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import multiprocessing
+import threading
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.kv_cache import PagedKVCache
+from kv_transfer.codec import FP8
+from kv_transfer.connector import transport
+from kv_transfer.lease import LeaseTable
+from kv_transfer.options import KVTransferOptions
+
+GB = 1e9
+NIXL_MODES = ("nixl", "nixl-fp8")
+TOKEN = "bench-token"
+
+
+def _source_cache(model: ModelConfig, blocks: int, block_size: int, dtype) -> PagedKVCache:
+    one_layer = dataclasses.replace(model, num_layers=1)
+    one = PagedKVCache(one_layer, blocks, block_size, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for t in (one.k, one.v):
+        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    cache = copy.copy(one)
+    cache.num_layers = model.num_layers
+    for name in ("k", "v", "k_scale", "v_scale"):
+        t = getattr(one, name)
+        if t is not None:
+            setattr(cache, name, t.expand(model.num_layers, *t.shape[1:]))
+    return cache
+
+
+def _receiver_main(conn, model: ModelConfig, blocks: int, block_size: int, fp8: bool) -> None:
+    """The decode side, in a process of its own as in a cluster: a cache, leases and a NIXL
+    receive side; reserves a lease per request the parent asks for, frees it after."""
+    torch.set_num_threads(1)
+    dtype = FP8 if fp8 else torch.bfloat16
+    options = KVTransferOptions(transport="nixl", token=TOKEN, lease_timeout_s=600)
+    cache = PagedKVCache(model, blocks, block_size, dtype, torch.device("cpu"))
+    lock = threading.RLock()
+    leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
+    recv = transport("nixl").recv_side(model.fingerprint(), options)
+    recv.start(cache, leases)
+    try:
+        while (message := conn.recv()) is not None:
+            request_id, tokens = message
+            lease = leases.reserve(request_id, tokens)
+            conn.send(recv.handle_for(lease))
+            conn.recv()  # the transfer is done
+            with lock:
+                leases.block_manager.free(list(lease.block_ids))
+    finally:
+        recv.stop()
+
+
+def measure_nixl(model: ModelConfig, tokens: int, mode: str, *, block_size: int, repeats: int):
+    """Best of ``repeats`` transfers of ``tokens`` tokens over NIXL into a fresh cache of a
+    receiver in another process."""
+    fp8 = mode == "nixl-fp8"
+    dtype = FP8 if fp8 else torch.bfloat16
+    blocks = -(-tokens // block_size)
+    options = KVTransferOptions(transport="nixl", token=TOKEN, lease_timeout_s=600)
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    receiver = context.Process(
+        target=_receiver_main, args=(child, model, blocks, block_size, fp8), daemon=True
+    )
+    receiver.start()
+    source = _source_cache(model, blocks, block_size, dtype)
+    send = transport("nixl").send_side(source, model.fingerprint(), options)
+    ids = torch.arange(blocks, dtype=torch.int64)
+    best = None
+    try:
+        for i in range(repeats):
+            parent.send((f"bench-{i}", tokens))
+            handle = parent.recv()
+            start = time.perf_counter()
+            stream = send.open(handle, f"bench-{i}", tokens)
+            for layer in range(model.num_layers):
+                stream.send_layer(layer, ids)
+            result = stream.finish(first_token=0)
+            seconds = time.perf_counter() - start
+            parent.send("done")
+            if best is None or seconds < best[0]:
+                best = (seconds, result.payload_bytes)
+    finally:
+        send.close()
+        parent.send(None)
+        receiver.join(30)
+    seconds, payload = best
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "seconds": seconds,
+        "payload_bytes": payload,
+        "payload_gb_s": payload / seconds / GB,
+    }
+
+
+def measure_memcpy(total_bytes: int, repeats: int, chunk_bytes: int = 64 << 20) -> dict:
+    """The bound of a host-to-host move: ``total_bytes`` copied in place, one thread."""
+    size = min(total_bytes, chunk_bytes)
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8).numpy()
+    dst = src.copy()
+    best = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        left = total_bytes
+        while left > 0:
+            n = min(left, size)
+            dst[:n] = src[:n]
+            left -= n
+        seconds = time.perf_counter() - start
+        best = seconds if best is None else min(best, seconds)
+    return {"seconds": best, "gb_s": total_bytes / best / GB}
