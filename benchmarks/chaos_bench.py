@@ -212,6 +212,7 @@ def run_chaos(
     seed: int = 0,
     model: str | None = None,
     min_completed: float = 0.5,
+    kv_transport: str | None = None,
 ) -> ChaosReport:
     """Start a cluster, run the load with kills, stop the cluster; return the report."""
     from cluster.config import ClusterConfig
@@ -239,6 +240,8 @@ def run_chaos(
     }
     # Streams are compared token for token with the offline engine: KV must travel exactly.
     data = {**data, "kv": {**data.get("kv", {}), "wire_dtype": "passthrough"}}
+    if kv_transport is not None:
+        data["kv"]["transport"] = kv_transport
     if model is not None:
         data["model"] = model
     config = ClusterConfig.from_dict(data)
@@ -305,6 +308,7 @@ def add_chaos_parser(bench_subparsers) -> None:
         help="share of sent requests that must complete for a pass (default 0.5)",
     )
     p.add_argument("--config", help="cluster config YAML (default: 2 prefill + 2 decode actors)")
+    p.add_argument("--kv-transport", choices=["grpc", "nixl"], help="how KV moves (default grpc)")
     p.add_argument("--json-out", help="also write the report as JSON")
     p.set_defaults(func=run_chaos_cli)
 
@@ -327,6 +331,7 @@ def run_chaos_cli(args) -> int:
         config_dict=config_dict,
         model=args.model,
         min_completed=args.min_completed,
+        kv_transport=args.kv_transport,
     )
     print(format_report(report))
     if args.json_out:

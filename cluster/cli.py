@@ -128,7 +128,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--grpc-port", type=int, help="gRPC API port (default 50051)")
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
-    p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"])
+    p.add_argument(
+        "--kv-transport",
+        choices=["grpc", "nixl"],
+        help="how KV moves between the pools: grpc (default) or nixl (the nixl extra)",
+    )
+    p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"], help="gRPC transport only")
     p.add_argument("--kv-cache-dtype", help="auto or fp8")
     p.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)"
@@ -183,6 +188,8 @@ def serve_config(args) -> ClusterConfig:
     for flag, pool in (("prefill_replicas", "prefill"), ("decode_replicas", "decode")):
         if getattr(args, flag) is not None:
             data["pools"].setdefault(pool, {})["replicas"] = getattr(args, flag)
+    if args.kv_transport:
+        data["kv"]["transport"] = args.kv_transport
     if args.kv_wire_dtype:
         data["kv"]["wire_dtype"] = args.kv_wire_dtype
     if args.kv_cache_dtype:
