@@ -339,8 +339,12 @@ def run_transfer_cli(args) -> int:
         from benchmarks.transfer_busy_bench import format_result, measure_into_decode_worker
         from engine.named_models import DEFAULT_MODEL
 
-        busy = measure_into_decode_worker(args.model or DEFAULT_MODEL)
-        print(format_result(busy))
+        busy = [
+            measure_into_decode_worker(args.model or DEFAULT_MODEL, kv_transport=transport)
+            for transport in (("grpc", "nixl") if set(modes) & set(NIXL_MODES) else ("grpc",))
+        ]
+        for result in busy:
+            print(format_result(result))
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps({"rows": rows, "into_decode_worker": busy}, indent=2)

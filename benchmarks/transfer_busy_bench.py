@@ -80,7 +80,11 @@ def _transfer_s(worker, send: KVSendSide, cache: PagedKVCache, tokens: int, inde
 
 
 def measure_into_decode_worker(
-    model: str = DEFAULT_MODEL, tokens: int = 2048, repeats: int = 4, batch: int = 16
+    model: str = DEFAULT_MODEL,
+    tokens: int = 2048,
+    repeats: int = 4,
+    batch: int = 16,
+    kv_transport: str = "grpc",
 ) -> dict:
     import ray
 
@@ -90,7 +94,9 @@ def measure_into_decode_worker(
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    kv = KVTransferOptions(token=TOKEN, wire_dtype="passthrough", lease_timeout_s=600)
+    kv = KVTransferOptions(
+        transport=kv_transport, token=TOKEN, wire_dtype="passthrough", lease_timeout_s=600
+    )
     options = WorkerOptions(
         model=model,
         # the batch's prompts and a few hundred tokens each, plus two transfers in flight
@@ -134,13 +140,14 @@ def measure_into_decode_worker(
         "busy_share": idle / busy,
         "decode_steps_per_s": steps / busy_elapsed,
         "batch": batch,
+        "transport": kv_transport,
     }
 
 
 def format_result(r: dict) -> str:
     return (
         f"into a decode worker ({r['model']}, {r['tokens']} tokens = "
-        f"{r['kv_bytes'] / 2**20:.1f} MiB per transfer, passthrough): idle "
+        f"{r['kv_bytes'] / 2**20:.1f} MiB per transfer, {r['transport']}, passthrough): idle "
         f"{r['idle_gb_s']:.2f} GB/s; decoding a batch of {r['batch']} "
         f"({r['decode_steps_per_s']:.1f} steps/s) {r['busy_gb_s']:.2f} GB/s = "
         f"{r['busy_share']:.0%} of idle (target >= 80%)"

@@ -23,7 +23,11 @@ import torch
 
 from kv_transfer.errors import KVTransferError
 
-_POLL_S = 0.00005  # between looks at a READ in flight, or at peers reading held memory
+_POLL_S = 0.00005  # between looks at peers reading held memory
+# A READ's first look comes after about its time at this rate, the next ones ever less often:
+# each look takes the GIL, which a busy engine thread holds for up to 5 ms at a time.
+_EXPECTED_BYTES_PER_S = 3e9
+_MAX_WAIT_S = 0.002
 
 
 def _api():
@@ -133,10 +137,12 @@ class NixlAgent:
         )
         try:
             state = self._agent.transfer(handle)
+            wait = sum(size for _, size in local) / _EXPECTED_BYTES_PER_S
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferError("NIXL read timed out", "DEADLINE_EXCEEDED")
-                time.sleep(_POLL_S)
+                time.sleep(wait)
+                wait = min(max(wait / 2, _POLL_S), _MAX_WAIT_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise KVTransferError(f"NIXL read from {peer} failed ({state})", "UNAVAILABLE")
