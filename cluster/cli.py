@@ -130,8 +130,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--decode-replicas", type=int)
     p.add_argument(
         "--kv-transport",
-        choices=["grpc", "nixl"],
-        help="how KV moves between the pools: grpc (default) or nixl (the nixl extra)",
+        choices=["grpc", "nixl", "auto"],
+        help="how KV moves between the pools: grpc (default), nixl (the nixl extra), or auto "
+        "(NIXL where both pools have it)",
     )
     p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"], help="gRPC transport only")
     p.add_argument("--kv-cache-dtype", help="auto or fp8")

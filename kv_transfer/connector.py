@@ -73,6 +73,8 @@ class KVSendStream(ABC):
     (the layer hook), ``finish``/``abort`` from the thread that waits for the prefill; never
     two at once."""
 
+    transport: str  # the transport that carries it
+
     @abstractmethod
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
         """Ship sequence blocks ``[first_block, first_block + len(block_ids))`` of one layer,

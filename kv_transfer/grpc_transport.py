@@ -33,6 +33,8 @@ NAME = "grpc"
 
 
 class GrpcSendStream(KVSendStream):
+    transport = NAME
+
     def __init__(self, cache: PagedKVCache, stream: TransferStream) -> None:
         self._cache = cache
         self._stream = stream

@@ -21,6 +21,7 @@ caches only for now: on CUDA, READs into device memory and a device-side checksu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -31,10 +32,18 @@ import torch
 from engine.kv_cache import PagedKVCache
 from kv_transfer import frames
 from kv_transfer.codec import dtype_name
-from kv_transfer.connector import KVHandle, TransferResult, Transport, register_transport
+from kv_transfer.connector import (
+    KVHandle,
+    KVRecvSide,
+    KVSendSide,
+    TransferResult,
+    Transport,
+    register_transport,
+    transport,
+)
 from kv_transfer.errors import FrameError, HandshakeError, KVTransferError
 from kv_transfer.grpc_transport import GrpcRecvSide, GrpcSendSide, KVSendStream
-from kv_transfer.nixl_agent import NixlAgent
+from kv_transfer.nixl_agent import NixlAgent, nixl_unavailable
 from kv_transfer.options import KVTransferOptions
 from kv_transfer.sender import TransferStream
 
@@ -115,6 +124,8 @@ class StagingPool:
 
 
 class NixlSendStream(KVSendStream):
+    transport = NAME
+
     def __init__(self, cache: PagedKVCache, pool: StagingPool, stream: TransferStream) -> None:
         self._cache = cache
         self._pool = pool
@@ -281,3 +292,45 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 
 register_transport(Transport(NAME, NixlSendSide, NixlRecvSide))
+
+
+class AutoSendSide(KVSendSide):
+    """``kv.transport: auto`` on a prefill worker: each handle's own transport (NIXL where the
+    decode side offers it, gRPC otherwise), a side of each made on first use."""
+
+    transport = "auto"
+
+    def __init__(self, cache: PagedKVCache, fingerprint: dict, options: KVTransferOptions) -> None:
+        self._make = lambda name: transport(name).send_side(  # noqa: E731
+            cache, fingerprint, dataclasses.replace(options, transport=name)
+        )
+        self._sides: dict[str, KVSendSide] = {}
+        self._lock = threading.Lock()
+
+    def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> KVSendStream:
+        if handle.transport not in ("grpc", "nixl"):
+            raise KVTransferError(
+                f"a {handle.transport!r} KV handle reached the 'auto' transport (grpc or nixl)",
+                "FAILED_PRECONDITION",
+            )
+        with self._lock:
+            side = self._sides.get(handle.transport)
+            if side is None:
+                side = self._sides[handle.transport] = self._make(handle.transport)
+        return side.open(handle, request_id, num_tokens)
+
+    def close(self) -> None:
+        with self._lock:
+            sides, self._sides = list(self._sides.values()), {}
+        for side in sides:
+            side.close()
+
+
+def auto_recv_side(fingerprint: dict, options: KVTransferOptions) -> KVRecvSide:
+    """``kv.transport: auto`` on a decode worker: NIXL where it is installed (such a receiver
+    takes gRPC kv frames too), gRPC otherwise."""
+    side = GrpcRecvSide if nixl_unavailable() is not None else NixlRecvSide
+    return side(fingerprint, options)
+
+
+register_transport(Transport("auto", AutoSendSide, auto_recv_side))

@@ -9,7 +9,7 @@ from engine.errors import EngineError
 
 @dataclass(frozen=True)
 class KVTransferOptions:
-    transport: str = "grpc"  # a registered transport (kv_transfer.connector)
+    transport: str = "grpc"  # grpc | nixl | auto (NIXL where both sides have it)
     token: str = ""  # shared secret of the KV channel; generated at start-up when empty
     wire_dtype: str = "fp8"  # fp8 | passthrough
     lease_timeout_s: float = 30.0

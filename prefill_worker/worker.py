@@ -151,7 +151,7 @@ class PrefillWorker(WorkerBase):
             ),
             transfer_bytes=transfer.payload_bytes,
             transfer_seconds=transfer.seconds,
-            transport=self.kv.transport,
+            transport=stream.transport,
         )
 
     def cancel(self, request_id: str) -> bool:

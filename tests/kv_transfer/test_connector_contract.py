@@ -217,11 +217,13 @@ import os, sys, torch
 from kv_transfer import KVHandle, transport
 from kv_transfer.options import KVTransferOptions
 from tests.kv_transfer.helpers import FINGERPRINT, TOKEN, make_cache
-name, lease_id, address, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+name, extra = sys.argv[1], sys.argv[2] == "1"
 options = KVTransferOptions(transport=name, token=TOKEN, wire_dtype="passthrough",
                             data_channel=extra)
 send = transport(name).send_side(make_cache(torch.bfloat16), FINGERPRINT, options)
-stream = send.open(KVHandle(name, lease_id, address), "dying", 32)
+print("ready", flush=True)
+handle_transport, lease_id, address = sys.stdin.readline().split()
+stream = send.open(KVHandle(handle_transport, lease_id, address), "dying", 32)
 stream.send_layer(0, torch.tensor([1, 2]), 0)
 print("sent", flush=True)
 os._exit(3)  # dies mid-transfer: no finish, no abort
@@ -231,20 +233,29 @@ os._exit(3)  # dies mid-transfer: no finish, no abort
 def test_a_sender_that_dies_mid_transfer_leaks_no_blocks(variant):
     name, extra = variant
     pair = _pair(variant, lease_timeout_s=3.0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DYING_SENDER, name, "1" if extra.get("data_channel") else "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+        for line in child.stdout:  # NIXL logs to stdout too
+            if line.strip() == "ready":
+                break
+        else:
+            raise AssertionError(f"the sender did not start: {child.communicate()[1]}")
         free = pair.free_blocks()
         lease = pair.leases.reserve("dying", 2 * BLOCK_SIZE)
         handle = pair.recv.handle_for(lease)
-        child = subprocess.run(
-            [sys.executable, "-c", _DYING_SENDER, name, handle.lease_id, handle.address]
-            + ["1" if extra.get("data_channel") else "0"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert child.returncode == 3 and "sent" in child.stdout, child.stderr
+        child.stdin.write(f"{handle.transport} {handle.lease_id} {handle.address}\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 3 and "sent" in out, err
         pair.wait_free(free, timeout_s=10.0)  # the broken stream, or at worst the deadline
         assert pair.leases.active() == 0
         assert lease.state == "released"
     finally:
+        child.kill()
         pair.close()
