@@ -70,19 +70,27 @@ class GrpcSendSide(KVSendSide):
         self._lock = threading.Lock()
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> GrpcSendStream:
+        stream = self._open_stream(handle, request_id, num_tokens, self._options.wire_dtype)
+        return GrpcSendStream(self._cache, stream)
+
+    def _open_stream(
+        self, handle: KVHandle, request_id: str, num_tokens: int, wire_dtype: str, **extra
+    ) -> TransferStream:
+        """The gRPC stream of one transfer to ``handle``'s lease (a transport built on this
+        one passes its handshake fields in ``extra``)."""
         self._check_transport(handle)
         cache = self._cache
-        stream = self._sender(handle.address).open(
+        return self._sender(handle.address).open(
             request_id,
             handle.lease_id,
             self._fingerprint,
             cache.block_size,
             num_tokens,
             cache.num_layers,
-            self._options.wire_dtype,
+            wire_dtype,
             cache.dtype,
+            **extra,
         )
-        return GrpcSendStream(cache, stream)
 
     def _check_transport(self, handle: KVHandle) -> None:
         if handle.transport != self.transport:

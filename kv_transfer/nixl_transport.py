@@ -188,20 +188,9 @@ class NixlSendSide(GrpcSendSide):
         self._metadata = self.agent.metadata()
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> NixlSendStream:
-        self._check_transport(handle)
-        cache = self._cache
-        stream = self._sender(handle.address).open(
-            request_id,
-            handle.lease_id,
-            self._fingerprint,
-            cache.block_size,
-            num_tokens,
-            cache.num_layers,
-            "fp8" if cache.is_fp8 else "passthrough",  # pages as they are
-            cache.dtype,
-            nixl_agent=self._metadata,
-        )
-        return NixlSendStream(cache, self.pool, stream)
+        wire = "fp8" if self._cache.is_fp8 else "passthrough"  # pages as they are
+        stream = self._open_stream(handle, request_id, num_tokens, wire, nixl_agent=self._metadata)
+        return NixlSendStream(self._cache, self.pool, stream)
 
     def close(self) -> None:
         super().close()
