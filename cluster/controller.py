@@ -361,7 +361,7 @@ class Controller:
         for record in sorted(self.replicas.values(), key=lambda r: r.name):
             view = stats.get(record.name)
             load = view.stats.load if view is not None else EngineLoad()
-            pools.setdefault(record.pool, []).append(
+            pools.setdefault(str(record.pool), []).append(
                 {
                     "name": record.name,
                     "state": record.state
