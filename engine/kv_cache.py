@@ -76,19 +76,25 @@ class PagedKVCache:
 
         return LayerKV(take(self.k), take(self.v), take(self.k_scale), take(self.v_scale))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a block has a row in, in payload order: K, V, then (fp8) their scales."""
+        parts = [self.k, self.v]
+        if self.is_fp8:
+            parts += [self.k_scale, self.v_scale]
+        return parts
+
     def scatter(self, layer: int, block_ids: Sequence[int] | torch.Tensor, blocks: LayerKV) -> None:
         """Write ``blocks`` ([n, ...], in order; scales when the cache is fp8) into cache
         blocks ``block_ids`` of one layer. CPU caches take the ids as a list, other devices
         as an int64 tensor on the device."""
-        pairs = [(self.k[layer], blocks.k), (self.v[layer], blocks.v)]
-        if self.is_fp8:
-            pairs += [(self.k_scale[layer], blocks.k_scale), (self.v_scale[layer], blocks.v_scale)]
+        sources = (blocks.k, blocks.v, blocks.k_scale, blocks.v_scale)
+        pairs = [(t[layer], src) for t, src in zip(self.tensors(), sources, strict=False)]
         if self.device.type == "cpu":
             # numpy slice copies per run of consecutive blocks: plain memcpys on the calling
             # thread with the GIL released (torch's own copies fan out to its intra-op pool,
             # which on a busy host is many times slower than one thread).
             ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
-            runs = _runs(ids)
+            runs = block_runs(ids)
             for dst, src in pairs:
                 dst_rows, src_rows = _byte_rows(dst), _byte_rows(src)
                 for first, offset, n in runs:
@@ -106,9 +112,8 @@ class PagedKVCache:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for tensor in (self.k, self.v, self.k_scale, self.v_scale):
-            if tensor is not None:
-                tensor[:, dst] = tensor[:, src]
+        for tensor in self.tensors():
+            tensor[:, dst] = tensor[:, src]
 
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers, K and V, scales included."""
@@ -120,7 +125,7 @@ class PagedKVCache:
         return payload + scales
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """``block_ids`` as runs of consecutive cache blocks: (first block, first index, length)."""
     runs: list[tuple[int, int, int]] = []
     for i, block in enumerate(block_ids):

@@ -13,6 +13,7 @@ Thread-safety: the agent is made with NIXL's strict thread sync, so any thread m
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 import time
@@ -30,6 +31,7 @@ _EXPECTED_BYTES_PER_S = 3e9
 _MAX_WAIT_S = 0.002
 
 
+@functools.cache
 def _api():
     for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:

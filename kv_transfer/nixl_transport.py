@@ -29,7 +29,7 @@ import time
 import crc32c
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import PagedKVCache, block_runs
 from kv_transfer import frames
 from kv_transfer.codec import dtype_name
 from kv_transfer.connector import (
@@ -60,14 +60,6 @@ def _cpu_only(cache: PagedKVCache) -> None:
             "use kv.transport: grpc",
             "UNIMPLEMENTED",
         )
-
-
-def _parts(cache: PagedKVCache) -> list[torch.Tensor]:
-    """The cache tensors a block has a row in, in payload order: K, V (then fp8 scales)."""
-    parts = [cache.k, cache.v]
-    if cache.is_fp8:
-        parts += [cache.k_scale, cache.v_scale]
-    return parts
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -131,22 +123,18 @@ class NixlSendStream(KVSendStream):
         self._pool = pool
         self._stream = stream
         self._owner = stream.handshake.lease_id
-        self._rows = [_row_bytes(t) for t in _parts(cache)]
+        self._rows = [_row_bytes(t) for t in cache.tensors()]
         self._blocks_per_slot = max(1, pool.slot_bytes // sum(self._rows))
 
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
-        total, count = self._stream.handshake.num_blocks, len(block_ids)
-        if first_block < 0 or count < 1 or first_block + count > total:
-            raise ValueError(
-                f"blocks [{first_block}, {first_block + count}) are not within the {total} "
-                "blocks of the sequence"
-            )
+        count = len(block_ids)
+        self._stream.check_blocks(first_block, count)
         deadline = self._stream.deadline
         for start in range(0, count, self._blocks_per_slot):
             ids = block_ids[start : start + self._blocks_per_slot]
             slot = self._pool.acquire(self._owner, deadline)
             staged, offset = [], 0
-            for tensor, row in zip(_parts(self._cache), self._rows, strict=True):
+            for tensor, row in zip(self._cache.tensors(), self._rows, strict=True):
                 source = tensor[layer]
                 out = self._pool.view(slot, offset, len(ids) * row)
                 torch.index_select(
@@ -183,7 +171,7 @@ class NixlSendSide(GrpcSendSide):
         _cpu_only(cache)
         super().__init__(cache, fingerprint, options)
         self.agent = NixlAgent("prefill")
-        block = sum(_row_bytes(t) for t in _parts(cache))
+        block = sum(_row_bytes(t) for t in cache.tensors())
         self.pool = StagingPool(self.agent, max(SLOT_BYTES, block))
         self._metadata = self.agent.metadata()
 
@@ -206,7 +194,7 @@ class NixlStreamReader:
         self.agent = agent
         self.peer = peer
         self.cache = cache
-        self._parts = _parts(cache)
+        self._parts = cache.tensors()
         self._rows = [_row_bytes(t) for t in self._parts]
 
     def read(self, lease_id: str, frame: frames.ReadyFrame, block_ids: list[int]) -> None:
@@ -216,12 +204,12 @@ class NixlStreamReader:
                 f"kv_ready frame of {frame.nbytes} bytes for {count} blocks "
                 f"(expected {count * sum(self._rows)})"
             )
-        runs = _runs(block_ids)
+        runs = block_runs(block_ids)
         local, remote, views, address = [], [], [], frame.address
         for tensor, row in zip(self._parts, self._rows, strict=True):
             rows = tensor[frame.layer].reshape(tensor.shape[1], -1).view(torch.uint8).numpy()
             base = tensor.data_ptr() + frame.layer * tensor.stride(0) * tensor.element_size()
-            for first, n in runs:
+            for first, _, n in runs:
                 local.append((base + first * row, n * row))
                 remote.append((address, n * row))
                 views.append(rows[first : first + n])
@@ -243,7 +231,7 @@ class NixlReceiver:
     def __init__(self, cache: PagedKVCache) -> None:
         _cpu_only(cache)
         self.agent = NixlAgent("decode")
-        for tensor in _parts(cache):
+        for tensor in cache.tensors():
             self.agent.register(tensor)
 
     def stream(self, handshake: frames.Handshake, cache: PagedKVCache) -> NixlStreamReader:
@@ -267,17 +255,6 @@ class NixlRecvSide(GrpcRecvSide):
         super().stop()
         if self._nixl is not None:
             self._nixl.agent.close()
-
-
-def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """Consecutive cache blocks as (first, length) runs."""
-    runs: list[tuple[int, int]] = []
-    for block in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block, 1))
-    return runs
 
 
 register_transport(Transport(NAME, NixlSendSide, NixlRecvSide))

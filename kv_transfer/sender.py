@@ -205,12 +205,8 @@ class TransferStream:
         device are copied to the host either way)."""
         if self._closed:
             raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
-        total, count = self.handshake.num_blocks, k_blocks.shape[0]
-        if first_block < 0 or count < 1 or first_block + count > total:
-            raise ValueError(
-                f"blocks [{first_block}, {first_block + count}) are not within the "
-                f"{total} blocks of {self.handshake.num_tokens} tokens"
-            )
+        count = k_blocks.shape[0]
+        self.check_blocks(first_block, count)
         block_size = k_blocks.shape[1]
         layer_payload = encode_layer(
             k_blocks,
@@ -230,6 +226,15 @@ class TransferStream:
             self._put((_KV, (layer, first_block + start, n, parts)))
             self.payload_bytes += sum(p.nbytes for p in parts)
             self._num_kv_frames += 1
+
+    def check_blocks(self, first_block: int, count: int) -> None:
+        """ValueError unless blocks ``[first_block, first_block + count)`` are the sequence's."""
+        total = self.handshake.num_blocks
+        if first_block < 0 or count < 1 or first_block + count > total:
+            raise ValueError(
+                f"blocks [{first_block}, {first_block + count}) are not within the "
+                f"{total} blocks of {self.handshake.num_tokens} tokens"
+            )
 
     @property
     def deadline(self) -> float:

@@ -65,13 +65,21 @@ class AttemptStart:
 
 
 @dataclass
+class TransportCounters:
+    """The KV transfers one transport (kv.transport) carried."""
+
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class PrefillCounters:
     prefills: int = 0  # prefill calls that succeeded
     transfers: int = 0  # and the KV transfers they made
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
-    # per transport (kv.transport): [transfers, bytes, seconds]
-    by_transport: dict[str, list] = field(default_factory=dict)
+    by_transport: dict[str, TransportCounters] = field(default_factory=dict)
 
     def count(self, result: PrefillResult) -> None:
         self.prefills += 1
@@ -80,10 +88,10 @@ class PrefillCounters:
         self.transfers += 1
         self.transfer_bytes += result.transfer_bytes
         self.transfer_seconds += result.transfer_seconds
-        mine = self.by_transport.setdefault(result.transport, [0, 0, 0.0])
-        mine[0] += 1
-        mine[1] += result.transfer_bytes
-        mine[2] += result.transfer_seconds
+        mine = self.by_transport.setdefault(result.transport, TransportCounters())
+        mine.transfers += 1
+        mine.bytes += result.transfer_bytes
+        mine.seconds += result.transfer_seconds
 
 
 class Attempts:
