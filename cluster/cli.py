@@ -39,6 +39,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (model dtype) or fp8")
     p.add_argument("--device", default="auto")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split over (heads and MLP; processes of this machine)",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt (with token ids)"
     )
     p.set_defaults(func=_run_generate)
@@ -63,12 +69,15 @@ def _run_generate(args) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         progress=not args.json,
     )
     prompts = args.prompt
     if args.chat:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in args.prompt]
-    for text, output in zip(args.prompt, llm.generate(prompts, params), strict=True):
+    with llm:
+        outputs = llm.generate(prompts, params)
+    for text, output in zip(args.prompt, outputs, strict=True):
         shown = output.prompt if output.prompt is not None else text
         if args.json:
             print(json.dumps({"model": args.model, **output.to_dict()}))

@@ -10,10 +10,19 @@ import torch
 from engine import named_models
 from engine.errors import CheckpointError
 from engine.gguf_file import GGUFFile
-from engine.loader import load_gguf_model, load_model, read_model_config
+from engine.loader import (
+    TensorReader,
+    empty_model,
+    fill_weights,
+    load_gguf_model,
+    load_model,
+    read_model_config,
+)
 from engine.model import LlamaModel
-from engine.tiny import TINY_CONFIG, TINY_NAME, build_tiny_model, tiny_tokenizer
+from engine.tensor_parallel import ShardLayout
+from engine.tiny import TINY_CONFIG, TINY_NAME, build_tiny_model, tiny_hf_tensors, tiny_tokenizer
 from engine.tokenizer import HFTokenizer, Tokenizer
+from engine.tp_group import TPGroup
 
 
 def local_path(source: str | Path) -> Path:
@@ -60,13 +69,32 @@ class Checkpoint:
             self.config = read_model_config(self.path)
 
     def load_model(
-        self, dtype: torch.dtype, device: torch.device, max_positions: int, *, progress: bool
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        *,
+        progress: bool,
     ) -> LlamaModel:
+        """The model, or under tensor parallelism ``tp``'s rank's shard of it."""
         if self.path is None:
-            return build_tiny_model(dtype, device, max_positions)
+            if tp is None or tp.size == 1:
+                return build_tiny_model(dtype, device, max_positions)
+            return self._tiny_shard(dtype, device, max_positions, tp)
         if self._gguf is not None:
-            return load_gguf_model(self._gguf, dtype, device, max_positions, progress=progress)
-        return load_model(self.path, dtype, device, max_positions, progress=progress)
+            return load_gguf_model(
+                self._gguf, dtype, device, max_positions, progress=progress, tp=tp
+            )
+        return load_model(self.path, dtype, device, max_positions, tp, progress=progress)
+
+    def _tiny_shard(self, dtype, device, max_positions, tp: TPGroup) -> LlamaModel:
+        layout = ShardLayout(TINY_CONFIG, tp.size, tp.rank)
+        model = empty_model(layout, tp, dtype, device, max_positions)
+        tensors = tiny_hf_tensors()
+        readers = ((name, TensorReader.of(lambda t=t: t), "tiny") for name, t in tensors.items())
+        fill_weights(model, readers, len(tensors), TINY_NAME, layout, progress=False)
+        return model.eval()
 
     def tokenizer(self) -> Tokenizer:
         if self.path is None:

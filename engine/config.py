@@ -241,6 +241,8 @@ class EngineConfig:
     cpu_gemm: str = "auto"
     # CUDA: capture the decode forward as CUDA graphs at start-up (False: always eager)
     cuda_graphs: bool = True
+    # ranks of one replica, each holding 1/t of the heads and MLP (engine.tensor_parallel)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size < 8:
@@ -262,6 +264,10 @@ class EngineConfig:
         if self.cpu_gemm not in ("auto", "torch", "onednn", "openblas"):
             raise EngineError(
                 f"cpu_gemm must be auto, torch, onednn or openblas, got {self.cpu_gemm!r}"
+            )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise EngineError(
+                f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise EngineError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

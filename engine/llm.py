@@ -29,6 +29,16 @@ class LLM:
         self.engine = LLMEngine(model, EngineConfig(**options), progress=progress)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """End the engine's tensor-parallel ranks, if any (also done when it is collected)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

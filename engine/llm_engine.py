@@ -7,8 +7,10 @@ colocated baseline and the workers build on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
 from engine.model_runner import ModelRunner
@@ -32,6 +34,9 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Fork, Sequence, SequenceStatus, TokenLogprobs
 from engine.step_cost import StepCostModel
 from engine.stop_checker import StopChecker
+from engine.tensor_parallel import ShardLayout, check_tensor_parallel
+from engine.tp_group import TPGroup
+from engine.tp_worker import WorkerSpec, rank_device, spawn_workers, stop_workers, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,10 @@ def cpu_gemm_plan(model, choice: str) -> GemmPlan:
 
 
 class LLMEngine:
+    """One replica's engine. With ``tensor_parallel_size`` t > 1 it is rank 0 of t: it
+    schedules and samples, and its model runner has ranks 1..t-1 (child processes, see
+    engine.tp_worker) run their shards of every forward in step; ``close`` ends them."""
+
     def __init__(
         self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True
     ) -> None:
@@ -72,24 +81,36 @@ class LLMEngine:
         self.model_name = str(model)
         checkpoint = Checkpoint(model)
         self.model_config = checkpoint.config
+        tp_size = config.tensor_parallel_size
+        check_tensor_parallel(self.model_config, tp_size)
+        self.layout = ShardLayout(self.model_config, tp_size, 0)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len
         )
-        torch.manual_seed(config.seed)
-        self.model = checkpoint.load_model(
-            self.dtype, self.device, self.max_model_len, progress=progress
-        )
-        self.tokenizer = checkpoint.tokenizer()
-        self.gemm_plan = None
-        if self.device.type == "cpu":
-            self.gemm_plan = cpu_gemm_plan(self.model, config.cpu_gemm)
-            self.model.use_linear(self.gemm_plan.linear)
         kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
-        num_blocks = config.num_kv_blocks or config.blocks_for_memory(self.model_config, kv_dtype)
+        local_config = self.layout.local_config  # this rank's heads: its cache's shape
+        num_blocks = config.num_kv_blocks or config.blocks_for_memory(local_config, kv_dtype)
+        self.tp, self._tp_processes = TPGroup.single(), []
+        if tp_size > 1:
+            self._start_tensor_parallel(model, num_blocks)
+        torch.manual_seed(config.seed)
+        try:
+            self.model = checkpoint.load_model(
+                self.dtype, self.device, self.max_model_len, self.tp, progress=progress
+            )
+            self.gemm_plan = None
+            if self.device.type == "cpu":
+                self.gemm_plan = cpu_gemm_plan(self.model, config.cpu_gemm)
+                self.model.use_linear(self.gemm_plan.linear)
+            wait_ready(self.tp, self._tp_processes)
+        except BaseException:
+            self.close()
+            raise
+        self.tokenizer = checkpoint.tokenizer()
         self.cache = PagedKVCache(
-            self.model_config, num_blocks, config.block_size, kv_dtype, self.device
+            local_config, num_blocks, config.block_size, kv_dtype, self.device
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -110,16 +131,61 @@ class LLMEngine:
             self.num_prompt_tokens_computed = 0
             self.step_cost = StepCostModel()  # compiles and captures are not its steps
 
+    def _start_tensor_parallel(self, model: str | Path, num_blocks: int) -> None:
+        """Start ranks 1..t-1 and meet them; each loads its shard while this one does."""
+        size = self.layout.size
+        if self.device.type == "cuda":
+            first = self.device.index or 0
+            if first + size > torch.cuda.device_count():
+                raise EngineError(
+                    f"tensor_parallel_size {size} from cuda:{first} needs GPUs {first}-"
+                    f"{first + size - 1}, but this machine has {torch.cuda.device_count()}"
+                )
+        threads = max(1, torch.get_num_threads() // size)
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads)  # the ranks share this machine's cores
+        meeting, store, listener = TPGroup.rendezvous(size)
+        specs = [
+            WorkerSpec(
+                source=str(model),
+                config=dataclasses.replace(self.config, device=str(rank_device(self.device, rank))),
+                rank=rank,
+                meeting=meeting,
+                num_threads=threads,
+                num_blocks=num_blocks,
+                max_model_len=self.max_model_len,
+            )
+            for rank in range(1, size)
+        ]
+        self._tp_processes = spawn_workers(specs)
+        self.tp = TPGroup.join_as_driver(meeting, store, listener, self.device)
+        self._finalizer = weakref.finalize(self, stop_workers, self.tp, self._tp_processes)
+        logger.info(
+            "tensor parallel %d: rank 0 here, ranks 1-%d in processes %s",
+            size,
+            size - 1,
+            [p.pid for p in self._tp_processes],
+        )
+
+    def close(self) -> None:
+        """End the tensor-parallel ranks (a no-op at tp 1). The engine is unusable after."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif self._tp_processes:
+            stop_workers(self.tp, self._tp_processes)
+
     def _warm_up_cuda(self) -> None:
         """Compile and tune every kernel variant, run one request end to end, then capture
         the decode graphs: serving never waits for a compile."""
-        warm_up_kernels(self.model, self.cache, self.config.max_num_batched_tokens)
+        if self.tp.size == 1:  # the ranks would have to warm up in lockstep: not done yet
+            warm_up_kernels(self.model, self.cache, self.config.max_num_batched_tokens)
         probe = self.add_request(
             list(range(1, 18)), SamplingParams(max_tokens=2, ignore_eos=True), "warm-up"
         )
         while self.has_request(probe.request_id):
             self.step()
-        if self.config.cuda_graphs:
+        if self.config.cuda_graphs and self.tp.size == 1:  # no collectives inside the graphs yet
             graphs = DecodeGraphs(
                 self.model, self.cache, min(self.config.max_num_seqs, 256), self.max_model_len
             )
@@ -300,7 +366,6 @@ class LLMEngine:
             return StepResult([], [])
         prompt_tokens = 0
         layer_done = layer_hook(batch) if layer_hook is not None else None
-        self.cache.copy_blocks(batch.copies)
         logits, sampling, prompt_hidden = self.runner.run(batch, layer_done)
         for i, hidden in prompt_hidden.items():
             self._record_prompt_logprobs(batch.seqs[i], hidden)

@@ -20,6 +20,7 @@ from engine.kernels.kv_store import store_kv
 from engine.kernels.rmsnorm import rmsnorm
 from engine.kv_cache import PagedKVCache
 from engine.rope import RotaryEmbedding, apply_rotary
+from engine.tp_group import TPGroup
 
 # x [T, in], weight [out, in], bias, activation → [T, out] (or [T, out / 2] for silu_mul)
 Linear = Callable[..., torch.Tensor]
@@ -30,10 +31,14 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """``config`` is the shape this rank computes (engine.tensor_parallel: its heads and MLP
+    columns); o and down are row-parallel, their partial sums all-reduced over ``tp``."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.tp = tp
         self.input_norm_weight = _param(c.hidden_size)
         self.qkv_weight = _param(c.qkv_size, c.hidden_size)  # rows: q heads, k heads, v heads
         self.qkv_bias = _param(c.qkv_size) if c.qkv_bias else None
@@ -66,8 +71,14 @@ class DecoderLayer(nn.Module):
         hidden = self._attention(hidden, rope, meta, cache, layer_index)
         hidden, residual = rmsnorm(hidden, self.post_attention_norm_weight, eps, residual)
         hidden = self.linear(hidden, self.gate_up_weight, self.gate_up_bias, activation="silu_mul")
-        hidden = self.linear(hidden, self.down_weight, self.down_bias)
+        hidden = self._row_parallel(hidden, self.down_weight, self.down_bias)
         return hidden, residual
+
+    def _row_parallel(self, x, weight, bias) -> torch.Tensor:
+        """x [T, in / tp] @ weight [out, in / tp]ᵀ summed over the ranks (+ bias, added once)."""
+        if self.tp.size == 1:
+            return self.linear(x, weight, bias)
+        return self.tp.all_reduce(self.linear(x, weight, bias if self.tp.is_driver else None))
 
     def _attention(self, hidden, rope, meta, cache, layer_index) -> torch.Tensor:
         c = self.config
@@ -85,25 +96,40 @@ class DecoderLayer(nn.Module):
         if decode is not None:
             decoded = decode_attention(q[:nd], layer, decode, self.softmax_scale)  # [Bd, Hq, D]
             if prefill is None:
-                return self.linear(decoded.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+                return self._row_parallel(
+                    decoded.reshape(tokens, c.q_size), self.o_weight, self.o_bias
+                )
         prefilled = prefill_attention(
             q[nd:], k[nd:], v[nd:], layer, prefill, self.softmax_scale
         )  # [T - Bd, Hq, D]
         out = prefilled if decode is None else torch.cat([decoded, prefilled])
-        return self.linear(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+        return self._row_parallel(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaModel(nn.Module):
-    """Embedding → decoder layers → final norm; ``compute_logits`` applies the LM head."""
+    """Embedding → decoder layers → final norm; ``compute_logits`` applies the LM head.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    Under tensor parallelism ``config`` is this rank's shape (ShardLayout.local_config), and
+    only the rank that samples (``has_lm_head``) holds an untied LM head."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        has_lm_head: bool = True,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TPGroup.single()
+        self.has_lm_head = has_lm_head
         self.embed_weight = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm_weight = _param(config.hidden_size)
         self.lm_head_weight = (
-            None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
+            _param(config.vocab_size, config.hidden_size)
+            if has_lm_head and not config.tie_word_embeddings
+            else None
         )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.linear: Linear = fused_linear
@@ -122,7 +148,14 @@ class LlamaModel(nn.Module):
             for layer in self.layers
             for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
         ]
-        return [*weights, self.embed_weight if self.lm_head_weight is None else self.lm_head_weight]
+        if not self.has_lm_head:
+            return weights
+        return [*weights, self._lm_head()]
+
+    def _lm_head(self) -> torch.Tensor:
+        if not self.has_lm_head:
+            raise RuntimeError("this tensor-parallel rank holds no LM head (rank 0 samples)")
+        return self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
 
     @torch.inference_mode()
     def forward(
@@ -148,5 +181,4 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] final hidden states → [n, vocab] fp32 logits."""
-        head = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return self.linear(hidden, head).float()
+        return self.linear(hidden, self._lm_head()).float()

@@ -1,18 +1,40 @@
-"""Runs one scheduled batch through the model: builds the flat inputs and the attention
-metadata from the sequences' block tables, runs the forward pass, returns the logits of the
-positions that sample a token (and the hidden states of prompts that want their logprobs)."""
+"""Runs one scheduled batch through the model: describes the batch as host data (a
+``StepPlan``), builds the flat inputs and the attention metadata from it, runs the forward
+pass, returns the logits of the positions that sample a token (and the hidden states of
+prompts that want their logprobs).
+
+Under tensor parallelism the driver's runner sends each step's plan to the other ranks
+(engine.tp_worker), which build the same inputs on their own devices and run their shards
+in step with it; only the driver computes logits.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import build_metadata
+from engine.attention_metadata import AttentionMetadata, build_metadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward pass as host data: everything a rank needs to run its shard of it."""
+
+    input_ids: list[int]
+    positions: torch.Tensor  # [T] int64, host
+    slots: torch.Tensor  # [T] int64, host
+    decode_tables: list[list[int]]
+    decode_context_lens: list[int]
+    prefill_tables: list[list[int]]
+    prefill_new_lens: list[int]
+    prefill_prefix_lens: list[int]
+    copies: list[tuple[int, int]]  # (source, destination) blocks to copy first
 
 
 class ModelRunner:
@@ -21,6 +43,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.tp = model.tp
         self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine once captured
 
     def run(
@@ -30,14 +53,12 @@ class ModelRunner:
         sequences whose prompt or token is now fully computed and so sample a token, and for
         each prompt chunk whose sequence asked for prompt logprobs, its index → its rows'
         hidden states [count, H])."""
-        input_ids, positions, meta, last_rows, sampling = self.prepare(batch)
-        if self.graphs is not None and layer_done is None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta, self.cache, layer_done)
-        logits = (
-            self.model.compute_logits(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
-        )
+        plan, last_rows, sampling = self.plan(batch)
+        if self.tp.size > 1:
+            self.tp.send(plan)
+        hidden = self.forward(plan, layer_done)
+        rows = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows]) if sampling else hidden.new_empty(0, 0)
         prompt_hidden = {}
         row = 0
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
@@ -49,10 +70,44 @@ class ModelRunner:
             row += count
         return logits, sampling, prompt_hidden
 
+    def forward(
+        self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Make the plan's block copies, then run its forward: hidden states [T, H]. Every
+        rank of a tensor-parallel engine calls this with the same plan."""
+        self.cache.copy_blocks(plan.copies)
+        input_ids, positions, meta = self.inputs(plan)
+        if self.graphs is not None and layer_done is None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, self.cache, layer_done)
+
+    def inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The plan's token ids, positions and attention metadata, on this rank's device."""
+        meta = build_metadata(
+            slots=plan.slots,
+            decode_tables=plan.decode_tables,
+            decode_context_lens=plan.decode_context_lens,
+            prefill_tables=plan.prefill_tables,
+            prefill_new_lens=plan.prefill_new_lens,
+            prefill_prefix_lens=plan.prefill_prefix_lens,
+            block_size=self.block_size,
+            fp8=self.cache.is_fp8,
+            device=self.device,
+        )
+        ids = torch.tensor(plan.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        return ids, plan.positions.to(self.device, non_blocking=True), meta
+
     def prepare(self, batch: ScheduledBatch):
-        """Flat model inputs for the batch: token ids, positions, attention metadata, the rows
-        whose logits are sampled, and which sequences those are. Host work per sequence is
-        constant for decode rows and proportional to the new tokens for prompt rows."""
+        """The batch's device inputs, for callers that run the model themselves (tests,
+        benchmarks): token ids, positions, metadata, sampled rows, their sequences."""
+        plan, last_rows, sampling = self.plan(batch)
+        ids, positions, meta = self.inputs(plan)
+        return ids, positions, meta, torch.tensor(last_rows, dtype=torch.int64), sampling
+
+    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
+        """The batch as a StepPlan, the rows whose logits are sampled, and which sequences
+        those are. Host work per sequence is constant for decode rows and proportional to
+        the new tokens for prompt rows."""
         bs = self.block_size
         seqs, counts = batch.seqs, batch.num_new_tokens
         num_decode = next((i for i, n in enumerate(counts) if n != 1), len(counts))
@@ -84,19 +139,15 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 sampling.append(i)
         prefill = seqs[num_decode:]
-        meta = build_metadata(
+        plan = StepPlan(
+            input_ids=ids,
+            positions=torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in positions]),
             slots=torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in slots]),
             decode_tables=[s.block_table for s in seqs[:num_decode]],
             decode_context_lens=[p + 1 for p in decode_positions],
             prefill_tables=[s.block_table for s in prefill],
             prefill_new_lens=counts[num_decode:],
             prefill_prefix_lens=[s.num_computed_tokens for s in prefill],
-            block_size=bs,
-            fp8=self.cache.is_fp8,
-            device=self.device,
+            copies=batch.copies,
         )
-        to_device = lambda values: values.to(self.device, non_blocking=True)
-        ids_t = to_device(torch.tensor(ids, dtype=torch.int64))
-        pos_t = to_device(torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in positions]))
-        rows = to_device(torch.tensor(last_rows, dtype=torch.int64))
-        return ids_t, pos_t, meta, rows, sampling
+        return plan, last_rows, sampling

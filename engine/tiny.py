@@ -89,6 +89,15 @@ def save_tiny_checkpoint(directory) -> None:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: t.detach().contiguous().clone() for k, t in tiny_hf_tensors().items()},
+        str(directory / "model.safetensors"),
+    )
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(), indent=2))
+
+
+def tiny_hf_tensors() -> dict[str, torch.Tensor]:
+    """The tiny model's weights (fp32, CPU) under Hugging Face's unfused names."""
     model = build_tiny_model(
         torch.float32, torch.device("cpu"), TINY_CONFIG.max_position_embeddings
     )
@@ -116,8 +125,4 @@ def save_tiny_checkpoint(directory) -> None:
                 prefix + "post_attention_layernorm.weight": layer.post_attention_norm_weight,
             }
         )
-    save_file(
-        {k: t.detach().contiguous().clone() for k, t in tensors.items()},
-        str(directory / "model.safetensors"),
-    )
-    (directory / "config.json").write_text(json.dumps(hf_config_dict(), indent=2))
+    return tensors

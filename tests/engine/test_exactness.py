@@ -105,14 +105,14 @@ def test_mixed_batches_match(checkpoint):
     directory, hf_model = checkpoint
     llm = chunked_llm(directory)
     runner, kinds = llm.engine.runner, set()
-    prepare = runner.prepare
+    inputs = runner.inputs
 
-    def spy(batch):
-        out = prepare(batch)
+    def spy(plan):
+        out = inputs(plan)
         kinds.add((out[2].decode is not None, out[2].prefill is not None))
         return out
 
-    runner.prepare = spy
+    runner.inputs = spy
     outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY)  # the short one decodes meanwhile
     assert (True, True) in kinds
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, p) for p in (PROMPTS[0], PROMPTS[2])]
