@@ -6,7 +6,8 @@ decode, the model's own GEMMs at the measured matmul throughput for prefill).
 
 Prompts are random token ids, distinct per measurement, so no prefix-cache hit flatters
 prefill. Decode time is a generation's time minus its prefill's, over the steps after the
-first token.
+first token. With ``--tensor-parallel-size N`` the same measurements run again on the engine
+split over N ranks (the machine's threads shared among them), next to tp 1.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def add_engine_bench_parser(benches, default_model: str, model_help: str) -> Non
     p.add_argument("--output-len", type=int, default=64, help="tokens generated in decode runs")
     p.add_argument(
         "--prefill", default="1x256,1x1676,1x4096,32x256", help="prefill shapes, COUNTxLENGTH"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also measure the engine split over N ranks (next to tp 1, same run)",
     )
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--json-out", default=None, help="also write the results as JSON here")
@@ -96,6 +103,36 @@ def _blocks_needed(args, concurrencies, prefill_shapes, block_size: int = 16) ->
     return max(decode + prefill) // block_size + 64
 
 
+def _engine(args, concurrencies, prefill_shapes, tp: int = 1) -> LLM:
+    longest = max(length for _, length in prefill_shapes)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        progress=False,
+        max_num_seqs=max(concurrencies + [c for c, _ in prefill_shapes]),
+        max_num_batched_tokens=max(8192, longest),
+        num_kv_blocks=_blocks_needed(args, concurrencies, prefill_shapes),
+        tensor_parallel_size=tp,
+    )
+
+
+def _measure_tp(args, concurrencies, prefill_shapes, decode, prefill) -> None:
+    """The same measurements at tp N, added to the tp 1 rows (the threads restored after)."""
+    threads = torch.get_num_threads()
+    size = args.tensor_parallel_size
+    with _engine(args, concurrencies, prefill_shapes, size) as llm:
+        ours = EngineRunner(llm)
+        ours.decode_step_s(1, 16, 4)  # warm-up
+        print(f"tp {size}: {torch.get_num_threads()} torch thread(s) per rank", flush=True)
+        for row in decode:
+            steps = ours.decode_step_s(row["batch"], args.prompt_len, args.output_len)
+            row["tp_ms_per_step"] = steps * 1e3
+        for row, (count, length) in zip(prefill, prefill_shapes, strict=True):
+            row["tp_ms"] = ours.prefill_s(count, length) * 1e3
+    torch.set_num_threads(threads)
+
+
 def transformers_baseline(args, concurrencies, prefill_shapes) -> dict:
     """transformers on the same weights, dtype and threads, in a process of its own (in
     ours, its generate slowed our decode steps by up to 60%: shared allocator and thread
@@ -128,16 +165,7 @@ def run_engine_benchmark(args) -> int:
         torch.set_num_threads(args.threads)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     prefill_shapes = _shapes(args.prefill)
-    longest = max(length for _, length in prefill_shapes)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        progress=False,
-        max_num_seqs=max(concurrencies + [c for c, _ in prefill_shapes]),
-        max_num_batched_tokens=max(8192, longest),
-        num_kv_blocks=_blocks_needed(args, concurrencies, prefill_shapes),
-    )
+    llm = _engine(args, concurrencies, prefill_shapes)
     engine = llm.engine
     config = engine.model_config
     dtype = engine.dtype
@@ -183,8 +211,10 @@ def run_engine_benchmark(args) -> int:
             }
         )
     on_cpu = engine.device.type == "cpu"
-    if not args.no_baseline and on_cpu:
-        del llm, ours, engine  # free the memory; transformers runs in a process of its own
+    del llm, ours, engine  # free the memory for the next engine
+    if args.tensor_parallel_size > 1:
+        _measure_tp(args, concurrencies, prefill_shapes, decode, prefill)
+    if not args.no_baseline and on_cpu:  # transformers runs in a process of its own
         baseline = transformers_baseline(args, concurrencies, prefill_shapes)
         for row, hf in zip(decode, baseline["decode_ms"], strict=True):
             row["hf_ms_per_step"] = hf
@@ -216,6 +246,20 @@ def run_engine_benchmark(args) -> int:
             + (f"{hf:>9.0f} {hf / row['ms']:>6.2f}x " if hf else f"{'-':>9} {'-':>7} ")
             + f"{row['gemm_tflops']:>13.3f} {row['tflops'] / row['gemm_tflops']:>7.0%}"
         )
+    if args.tensor_parallel_size > 1:
+        size = args.tensor_parallel_size
+        print(f"tensor parallel {size} vs tp 1 (same run; speed-up = tp 1 time / tp {size} time)")
+        for row in decode:
+            print(
+                f"  decode batch {row['batch']:>3}: tp 1 {row['ms_per_step']:8.1f} ms/step, "
+                f"tp {size} {row['tp_ms_per_step']:8.1f} ms/step, speed-up "
+                f"{row['ms_per_step'] / row['tp_ms_per_step']:.2f}x"
+            )
+        for row in prefill:
+            print(
+                f"  prefill {row['shape']:>8}: tp 1 {row['ms']:8.0f} ms, tp {size} "
+                f"{row['tp_ms']:8.0f} ms, speed-up {row['ms'] / row['tp_ms']:.2f}x"
+            )
     print(
         "vs HF: transformers' time / ours (>1 = we are faster); vs bound: our step / the "
         "weight-read time; of GEMM: useful prefill FLOP/s / the model's GEMMs alone"
@@ -225,6 +269,7 @@ def run_engine_benchmark(args) -> int:
             "model": args.model,
             "dtype": str(dtype),
             "threads": torch.get_num_threads(),
+            "tensor_parallel_size": args.tensor_parallel_size,
             "read_gbs": bandwidth,
             "weight_bytes": weights,
             "decode": decode,

@@ -144,7 +144,7 @@ class LLMEngine:
         threads = max(1, torch.get_num_threads() // size)
         if self.device.type == "cpu":
             torch.set_num_threads(threads)  # the ranks share this machine's cores
-        meeting, store, listener = TPGroup.rendezvous(size)
+        meeting, store, listener = TPGroup.rendezvous(size, self.device)
         specs = [
             WorkerSpec(
                 source=str(model),

@@ -1,8 +1,10 @@
 """The ranks of one tensor-parallel engine and the two ways they talk.
 
 - ``all_reduce``: the row-parallel layers' partial sums, over a torch.distributed process
-  group of the replica's ranks alone (gloo on CPU, NCCL on CUDA), built from a TCPStore
-  rather than the process-wide default group, so one process may host several engines.
+  group of the replica's ranks alone (NCCL on CUDA, gloo on CPU), built from a TCPStore
+  rather than the process-wide default group, so one process may host several engines. On
+  CPU the ranks share a host, and the all-reduce goes through shared memory instead
+  (engine.shm_allreduce): gloo costs ~1.3 ms per call here, 60 calls a step.
 - ``send`` / ``receive``: rank 0 (the driver: it schedules and samples) hands every other
   rank each step's batch as a pickled message over its own socket
   (multiprocessing.connection, authenticated by a per-replica key). A socket rather than a
@@ -17,6 +19,7 @@ Every method is called from one thread per process. Errors: a peer that is gone 
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import socket
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import EngineError
+from engine.shm_allreduce import ShmAllReduce
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # one all-reduce of one step
 
@@ -45,6 +49,7 @@ class Rendezvous:
     channel_port: int
     authkey: bytes
     size: int
+    shm_path: str | None = None  # CPU: the shared file of the all-reduce
 
 
 class TPGroup:
@@ -59,6 +64,7 @@ class TPGroup:
         driver: Connection | None = None,
         listener: Listener | None = None,
         store=None,
+        shm: ShmAllReduce | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -67,6 +73,7 @@ class TPGroup:
         self._driver = driver  # a worker's connection to rank 0
         self._listener = listener
         self._store = store  # the driver hosts the store the process group met through
+        self._shm = shm
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -78,8 +85,11 @@ class TPGroup:
 
     # ---- set-up ---------------------------------------------------------------------------
     @staticmethod
-    def rendezvous(size: int, host: str = "127.0.0.1") -> tuple[Rendezvous, Any, Listener]:
-        """The driver's side, before any worker starts: a store and a listening socket."""
+    def rendezvous(
+        size: int, device: torch.device, host: str = "127.0.0.1"
+    ) -> tuple[Rendezvous, Any, Listener]:
+        """The driver's side, before any worker starts: a store and a listening socket
+        (and on CPU the all-reduce's shared file)."""
         store_port = _free_port(host)
         store = dist.TCPStore(
             host, store_port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
@@ -88,7 +98,9 @@ class TPGroup:
         authkey = secrets.token_bytes(16)
         listener = Listener((host, 0), authkey=authkey)
         channel_port = listener.address[1]
-        return Rendezvous(host, store_port, channel_port, authkey, size), store, listener
+        shm_path = ShmAllReduce.create(size) if device.type == "cpu" else None
+        meeting = Rendezvous(host, store_port, channel_port, authkey, size, shm_path)
+        return meeting, store, listener
 
     @classmethod
     def join_as_driver(cls, meeting: Rendezvous, store, listener: Listener, device) -> TPGroup:
@@ -97,9 +109,13 @@ class TPGroup:
         workers: list[Connection | None] = [None] * (meeting.size - 1)
         for _ in range(meeting.size - 1):
             conn = listener.accept()
+            _no_delay(conn)
             rank = conn.recv()
             workers[rank - 1] = conn
-        return cls(0, meeting.size, pg, workers=workers, listener=listener, store=store)  # type: ignore[arg-type]
+        shm = _shm(meeting, 0)
+        if meeting.shm_path is not None:  # every rank has it mapped: nothing to leak on a crash
+            os.unlink(meeting.shm_path)
+        return cls(0, meeting.size, pg, workers, listener=listener, store=store, shm=shm)  # type: ignore[arg-type]
 
     @classmethod
     def join_as_worker(cls, meeting: Rendezvous, rank: int, device) -> TPGroup:
@@ -108,9 +124,11 @@ class TPGroup:
             timeout=COLLECTIVE_TIMEOUT,
         )  # fmt: skip
         pg = _process_group(store, rank, meeting.size, device)
+        shm = _shm(meeting, rank)  # mapped before the driver hears from us (it unlinks)
         driver = Client((meeting.host, meeting.channel_port), authkey=meeting.authkey)
+        _no_delay(driver)
         driver.send(rank)
-        return cls(rank, meeting.size, pg, driver=driver)
+        return cls(rank, meeting.size, pg, driver=driver, shm=shm)
 
     # ---- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -119,8 +137,11 @@ class TPGroup:
         if self.size == 1:
             return tensor
         try:
-            self._pg.allreduce([tensor]).wait()
-        except RuntimeError as err:
+            if self._shm is not None:
+                self._shm.all_reduce(tensor)
+            else:
+                self._pg.allreduce([tensor]).wait()
+        except (RuntimeError, EngineError) as err:
             raise TensorParallelError(f"tensor-parallel all-reduce failed: {err}") from None
         return tensor
 
@@ -160,6 +181,8 @@ class TPGroup:
                 conn.close()
         if self._listener is not None:
             self._listener.close()
+        if self._shm is not None:
+            self._shm.close()
         self._workers, self._driver, self._listener, self._pg, self._store = (
             [],
             None,
@@ -167,6 +190,20 @@ class TPGroup:
             None,
             None,
         )
+
+
+def _no_delay(conn: Connection) -> None:
+    """Each step's plan goes out at once: without this, Nagle holds it until the previous
+    one's (delayed) ACK, ~20 ms a step here."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _shm(meeting: Rendezvous, rank: int) -> ShmAllReduce | None:
+    if meeting.shm_path is None:
+        return None
+    timeout = COLLECTIVE_TIMEOUT.total_seconds()
+    return ShmAllReduce(meeting.shm_path, rank, meeting.size, timeout)
 
 
 def _process_group(store, rank: int, size: int, device: torch.device):
