@@ -22,6 +22,7 @@ Calibration files hold ``{"prefill": [[prompts, len, s], ...], "decode": [[batch
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ from cluster.simulator.cost_model import (
 )
 from cluster.simulator.hardware import hardware
 from cluster.simulator.report import recovery_time
-from cluster.simulator.search import PlanSpec, plan
+from cluster.simulator.search import PlanSpec, plan, tp_options
 from cluster.simulator.serving import NO_OVERHEADS, ServingOverheads
 from cluster.simulator.serving_fit import (
     ServeProbe,
@@ -313,17 +314,21 @@ def burst() -> int:
 
 
 def opt13b() -> int:
-    """DistServe's chatbot setting: OPT-13B on A100s, TTFT 0.25 s / TPOT 0.1 s at 90%."""
+    """DistServe's chatbot setting: OPT-13B on A100s, TTFT 0.25 s / TPOT 0.1 s at 90%: one
+    tp for every pool (1), then each pool's tp searched (1, 2, 4, 8), as DistServe does."""
     cost = CostModel(hardware("A100"), ModelShape.load("opt-13b"))
-    spec = PlanSpec(
+    base = PlanSpec(
         cost,
         SLOConfig(ttft_ms=250, tpot_ms=100, percentile=90),
         "lognormal:755:0.8",
         "lognormal:200:0.8",
     )
-    for rate in (5.0, 10.0, 20.0):
+    searched = replace(base, tp_choices=tp_options(cost, cost.hardware.gpus_per_node))
+    for (label, spec), rate in itertools.product(
+        (("tp 1", base), ("tp per pool", searched)), (5.0, 10.0, 20.0)
+    ):
         disagg, coloc = plan(spec, rate)
-        print(f"{rate:g} req/s:")
+        print(f"{label}, {rate:g} req/s:")
         print(f"  disaggregated: {disagg.describe()}")
         print(f"  colocated:     {coloc.describe()}")
         print(

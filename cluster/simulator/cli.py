@@ -23,7 +23,13 @@ def _add_model_options(p) -> None:
     p.add_argument(
         "--hardware", default=None, help="A100, H100, H200 or CPU (default: H100; CPU for tiny)"
     )
-    p.add_argument("--tp", type=int, default=1, help="devices per replica (tensor parallel)")
+    p.add_argument(
+        "--tp",
+        default="1",
+        help="devices per replica (tensor parallel), or 'auto' (plan: the best per pool)",
+    )
+    p.add_argument("--prefill-tp", type=int, default=None, help="plan: the prefill pool's tp")
+    p.add_argument("--decode-tp", type=int, default=None, help="plan: the decode pool's tp")
     p.add_argument(
         "--calibration",
         default=None,
@@ -51,7 +57,8 @@ def build_cost_model(args):
     shape = ModelShape.load(args.model)
     hw = hardware(args.hardware or ("CPU" if args.model == "tiny" else "H100"))
     kw = {"efficiency": CPU_EFFICIENCY} if hw.name == "CPU" else {}
-    cost = CostModel(hw, shape, tp=args.tp, **kw)
+    tp = 1 if str(args.tp) == "auto" else _positive_int(args.tp, "--tp")
+    cost = CostModel(hw, shape, tp=tp, **kw)
     if args.calibration:
         with open(args.calibration) as f:
             data = json.load(f)
@@ -64,6 +71,18 @@ def build_cost_model(args):
             measured = Measurements.from_bench_json(data, lin, lout)
         cost = calibrate(cost, measured)
     return cost
+
+
+def _positive_int(text, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise SystemExit(
+            f"error: {flag} must be a positive integer or 'auto', got {text!r}"
+        ) from None
+    if value < 1:
+        raise SystemExit(f"error: {flag} must be a positive integer, got {value}")
+    return value
 
 
 def add_plan_parser(subparsers) -> None:
@@ -95,7 +114,7 @@ def run_plan(args) -> int:
     import numpy as np
 
     from cluster.simulator.report import plot_attainment
-    from cluster.simulator.search import PlanSpec, attainment_curve, plan
+    from cluster.simulator.search import PlanSpec, attainment_curve, plan, tp_options
     from cluster.simulator.workload import load_trace
 
     cost = build_cost_model(args)
@@ -119,13 +138,16 @@ def run_plan(args) -> int:
         max_batched_tokens=budget,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        tp_choices=tp_options(cost, cost.hardware.gpus_per_node) if args.tp == "auto" else (),
     )
     disagg, coloc = plan(spec, rate)
     ratio = disagg.goodput_per_gpu / coloc.goodput_per_gpu
     out = {
         "model": cost.model.name,
         "hardware": cost.hardware.name,
-        "tp": cost.tp,
+        "tp": args.tp if args.tp == "auto" else cost.tp,
         "rate": rate,
         "input_len": input_len,
         "output_len": output_len,
@@ -137,7 +159,8 @@ def run_plan(args) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(
-            f"{cost.model.name} on {cost.hardware.name} (tp {cost.tp}), {rate:g} req/s, input "
+            f"{cost.model.name} on {cost.hardware.name} "
+            f"(tp {'searched per pool' if args.tp == 'auto' else cost.tp}), {rate:g} req/s, input "
             f"{input_len}, output {output_len}, SLO TTFT {args.slo_ttft_ms:g} ms / TPOT "
             f"{args.slo_tpot_ms:g} ms at p{args.percentile:g}"
         )
@@ -169,6 +192,9 @@ def _deployment_dict(d) -> dict:
         "decode": d.decode,
         "colocated": d.colocated,
         "gpus": d.gpus,
+        "prefill_tp": d.prefill_tp,
+        "decode_tp": d.decode_tp,
+        "colocated_tp": d.colocated_tp,
         "max_goodput": d.max_goodput,
         "goodput_per_gpu": d.goodput_per_gpu,
         **d.result.summary(),
@@ -203,15 +229,20 @@ def run_simulate(args) -> int:
     from cluster.simulator.report import format_simulation, plot_simulation
     from cluster.simulator.simulation import simulate
     from cluster.simulator.workload import generate, load_trace
+    from workers.pool import Pool
 
     cluster = ClusterConfig.from_yaml(args.config)
     args.model = args.model or cluster.model
     if args.hardware is None:
         gpus = max(cluster.prefill.num_gpus, cluster.decode.num_gpus, cluster.colocated.num_gpus)
         args.hardware = "H100" if gpus > 0 else "CPU"
-    if args.tp == 1:
-        pool = cluster.colocated if cluster.mode == "colocated" else cluster.prefill
-        args.tp = max(1, int(pool.num_gpus))
+
+    def pool_tp(pool: Pool) -> int:  # the engine's degree, else one device per GPU it takes
+        tp = cluster.engine_config(pool).tensor_parallel_size
+        return tp if tp > 1 else max(1, int(getattr(cluster, pool).num_gpus))
+
+    if str(args.tp) == "1":
+        args.tp = pool_tp(Pool.COLOCATED if cluster.mode == "colocated" else Pool.PREFILL)
     cost = build_cost_model(args)
     engine = cluster.engine_config("decode")
     planner = cluster.planner if not args.no_planner else replace(cluster.planner, enabled=False)
@@ -228,6 +259,8 @@ def run_simulate(args) -> int:
         kv_tokens=engine.num_kv_blocks * engine.block_size if engine.num_kv_blocks else None,
         startup_s=args.startup_s,
         seed=args.seed,
+        prefill_tp=args.prefill_tp or pool_tp(Pool.PREFILL),
+        decode_tp=args.decode_tp or pool_tp(Pool.DECODE),
     )
     if args.trace:
         workload = load_trace(args.trace)

@@ -32,7 +32,7 @@ The default adds nothing.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.config import PlannerConfig, PoolConfig, SLOConfig
 from cluster.planner_model import PoolCapacity
@@ -61,12 +61,20 @@ class SimConfig:
     route_choices: int = 8
     seed: int = 0
     serving: ServingOverheads = NO_OVERHEADS  # the served path's costs beyond the engine
+    # Tensor parallel degree of each disaggregated pool (None: the cost model's tp), as
+    # DistServe chooses each phase's parallelism; colocated replicas use the cost model's.
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.max_batched_tokens < 1 or self.max_num_seqs < 1 or self.startup_s < 0:
             raise ValueError("max_batched_tokens and max_num_seqs must be >= 1, startup_s >= 0")
+        for name in ("prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
     @property
     def pools(self) -> dict[Pool, PoolConfig]:
@@ -74,9 +82,30 @@ class SimConfig:
             return {Pool.COLOCATED: self.colocated}
         return {Pool.PREFILL: self.prefill, Pool.DECODE: self.decode}
 
-    @property
-    def gpus_per_replica(self) -> int:
-        return self.cost.tp
+    def tp(self, pool: Pool) -> int:
+        """Devices per replica of ``pool``."""
+        chosen = {Pool.PREFILL: self.prefill_tp, Pool.DECODE: self.decode_tp}.get(pool)
+        return chosen or self.cost.tp
+
+    def cost_for(self, pool: Pool) -> CostModel:
+        """The cost model of one replica of ``pool`` (its own tp)."""
+        tp = self.tp(pool)
+        return self.cost if tp == self.cost.tp else replace(self.cost, tp=tp)
+
+    def planner_capacity(self, mean_input: float, mean_output: float) -> PoolCapacity:
+        """What the planner is told at start-up: prefill from a prompt-serving replica's cost
+        model, decode from a decode (or colocated) replica's, each at its own tp."""
+        colocated = self.mode == "colocated"
+        first = self.cost_for(Pool.COLOCATED if colocated else Pool.PREFILL)
+        seat = self.cost_for(Pool.COLOCATED if colocated else Pool.DECODE)
+        limits = (self.max_batched_tokens, self.max_num_seqs)
+        prefill = first.pool_capacity(mean_input, mean_output, *limits)
+        decode = seat.pool_capacity(mean_input, mean_output, *limits)
+        return replace(decode, prefill_tokens_per_s=prefill.prefill_tokens_per_s)
+
+    def transfer_cost(self) -> CostModel:
+        """KV moves rank to rank: as many links in parallel as the smaller side has ranks."""
+        return replace(self.cost, tp=min(self.tp(Pool.PREFILL), self.tp(Pool.DECODE)))
 
     @property
     def seats(self) -> int:

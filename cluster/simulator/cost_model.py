@@ -204,6 +204,24 @@ class CostModel:
         gemm = 2.0 * ((m.matmul_params - head) * total_tokens + head * prompts)
         return gemm, 0.5 * self._attention_flops_per_ctx() * sum_sq_len  # causal: half
 
+    def allreduce_time(self, tokens: int) -> float:
+        """A forward's all-reduces under tensor parallelism: two per layer (after attention's
+        o projection and the MLP's down projection) of [tokens, hidden] activations, as a
+        ring within a node: 2(t - 1) steps, each moving 1/t of the bytes over the
+        intra-node link and paying one hop's latency. 0 at tp 1."""
+        t = self.tp
+        if t == 1:
+            return 0.0
+        hw, m = self.hardware, self.model
+        link = hw.intra_node_link_bw or hw.link_bw
+        nbytes = tokens * m.hidden_size * m.dtype_bytes
+        one = (
+            2
+            * (t - 1)
+            * (hw.allreduce_hop_s + nbytes / t / (link * self.efficiency.link_efficiency))
+        )
+        return 2 * m.num_layers * one
+
     def prefill_time(self, total_tokens: int, sum_sq_len: float, prompts: int = 1) -> float:
         """One prefill forward over ``prompts`` prompts: ``total_tokens`` tokens, Σ len²."""
         m = self.model
@@ -215,6 +233,7 @@ class CostModel:
             e.forward_overhead_s
             + e.per_token_s * total_tokens
             + max(flops / self.flops, nbytes / self.bandwidth)
+            + self.allreduce_time(total_tokens)
         )
 
     @cached_property
@@ -235,7 +254,8 @@ class CostModel:
         overhead, per_seq, gemm, attn, weights, kv = self._decode_coefficients
         compute = gemm * batch + attn * context_tokens
         memory = weights + kv * context_tokens
-        return overhead + per_seq * batch + (compute if compute > memory else memory)
+        step = overhead + per_seq * batch + (compute if compute > memory else memory)
+        return step + self.allreduce_time(batch) if self.tp > 1 else step
 
     def transfer_time(self, prompt_len: int) -> float:
         """Moving one prompt's KV from a prefill to a decode replica (fp8 on the wire)."""

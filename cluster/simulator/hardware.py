@@ -26,6 +26,9 @@ class Hardware:
     link_bw: float  # KV transfer bandwidth between replicas (per device)
     intra_node_link_bw: float = 0.0  # NVLink-class, for tensor parallel and same-node KV
     link_latency_s: float = 20e-6
+    # Per step of a ring all-reduce within a node: NCCL's low-latency protocol over NVLink,
+    # ~20 us for a small all-reduce over 8 GPUs (14 steps).
+    allreduce_hop_s: float = 1.5e-6
     gpus_per_node: int = 8
     cost_per_hour: float = 1.0  # relative; GPU-hours are what `plan` minimises
 
@@ -50,9 +53,19 @@ PRESETS: dict[str, Hardware] = {
     "H200": Hardware("H200", 989e12, 4.8 * TB, 141 * GB, 50 * GB, 900 * GB, cost_per_hour=2.0),
     # This machine, one core per worker: ~2.5 GHz x 2 FMA x 8 fp32 lanes; ~15 GB/s of DRAM
     # for one core; loopback gRPC ~1 GB/s. Calibrate before trusting.
+    # Its ranks all-reduce through shared memory: ~30 us for 2 ranks (engine.shm_allreduce).
     "CPU": Hardware(
-        "CPU", 80e9, 15 * GB, 8 * GB, 1 * GB, 1 * GB, 50e-6, gpus_per_node=1, cost_per_hour=0.05
-    ),
+        "CPU",
+        80e9,
+        15 * GB,
+        8 * GB,
+        1 * GB,
+        1 * GB,
+        50e-6,
+        15e-6,
+        gpus_per_node=1,
+        cost_per_hour=0.05,
+    ),  # fmt: skip
 }
 
 

@@ -12,6 +12,11 @@ Method (DistServe's, on our simulator):
 3. The same for colocated replicas (both phases share a replica; prefill stalls decode).
 4. Goodput per GPU of a configuration: the highest rate it serves at the target
    attainment, divided by its GPUs.
+
+Parallelism per phase (DistServe's other half): with ``tp_choices``, each pool's tensor
+parallel degree is the one that meets its phase's target at the rate on the fewest GPUs
+(steps 1-2 for that pool alone, at every candidate degree), chosen for prefill, decode and
+colocated replicas separately.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from cluster.simulator.cost_model import CostModel
 from cluster.simulator.result import SimResult
 from cluster.simulator.simulation import simulate
 from cluster.simulator.workload import Workload, poisson
+from workers.pool import Pool
 
 
 @dataclass(frozen=True)
@@ -39,14 +45,21 @@ class PlanSpec:
     max_num_seqs: int = 256
     max_replicas: int = 128  # per pool, bounds the search
     seed: int = 0
+    prefill_tp: int | None = None  # None: the cost model's tp
+    decode_tp: int | None = None
+    colocated_tp: int | None = None
+    tp_choices: tuple[int, ...] = ()  # non-empty: search each pool's tp among these
 
     def workload(self, rate: float) -> Workload:
         return poisson(rate, self.requests / rate, self.input_len, self.output_len, self.seed)
 
     def config(self, prefill: int = 1, decode: int = 1, colocated: int = 0) -> SimConfig:
         mode = "colocated" if colocated else "disaggregated"
+        cost = self.cost
+        if colocated and self.colocated_tp:
+            cost = replace(cost, tp=self.colocated_tp)
         return SimConfig(
-            cost=self.cost,
+            cost=cost,
             slo=self.slo,
             mode=mode,
             prefill=PoolConfig(replicas=max(prefill, 1)),
@@ -55,6 +68,8 @@ class PlanSpec:
             max_batched_tokens=self.max_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             seed=self.seed,
+            prefill_tp=None if colocated else self.prefill_tp,
+            decode_tp=None if colocated else self.decode_tp,
         )
 
 
@@ -70,6 +85,9 @@ class Deployment:
     rate: float
     result: SimResult
     max_goodput: float  # req/s at the target attainment
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
 
     @property
     def goodput_per_gpu(self) -> float:
@@ -77,9 +95,12 @@ class Deployment:
 
     def describe(self) -> str:
         if self.mode == "colocated":
-            shape = f"{self.colocated} colocated"
+            shape = f"{self.colocated} colocated (tp {self.colocated_tp})"
         else:
-            shape = f"{self.prefill} prefill + {self.decode} decode"
+            shape = (
+                f"{self.prefill} prefill (tp {self.prefill_tp}) + {self.decode} decode "
+                f"(tp {self.decode_tp})"
+            )
         s = self.result.summary()
         p = self.result.config.slo.percentile
         return (
@@ -121,9 +142,7 @@ def max_rate(
 
 def _rough_rate(spec: PlanSpec, config: SimConfig) -> float:
     """A starting rate from the cost model: one replica's throughput of its bottleneck."""
-    cap = spec.cost.pool_capacity(
-        _mean(spec.input_len), _mean(spec.output_len), spec.max_batched_tokens, spec.max_num_seqs
-    )
+    cap = config.planner_capacity(_mean(spec.input_len), _mean(spec.output_len))
     prefill = cap.prefill_tokens_per_s / _mean(spec.input_len)
     b = cap.decode_max_seqs
     decode = b / cap.decode_step_s(b) / _mean(spec.output_len)
@@ -143,8 +162,67 @@ def _evaluate(spec: PlanSpec, rate: float, p: int, d: int, c: int) -> SimResult:
     return simulate(spec.config(p, d, c), spec.workload(rate))
 
 
+def tp_options(cost: CostModel, largest: int) -> tuple[int, ...]:
+    """Degrees a replica can take: powers of two up to ``largest`` (a node's GPUs) that
+    split the heads (KV heads split or replicated evenly) and leave KV room after weights."""
+    m = cost.model
+    options = []
+    tp = 1
+    while tp <= largest:
+        splits = m.num_heads % tp == 0 and (
+            m.num_kv_heads % tp == 0 if tp <= m.num_kv_heads else tp % m.num_kv_heads == 0
+        )
+        if splits:
+            try:
+                replace(cost, tp=tp).kv_capacity_tokens()
+                options.append(tp)
+            except ValueError:
+                pass  # the weights do not fit
+        tp *= 2
+    return tuple(options)
+
+
+def _best_tp(spec: PlanSpec, field: str, rate: float, phase: str) -> int:
+    """The degree of ``field``'s pool that meets ``phase``'s target at ``rate`` on the
+    fewest GPUs (the other pool ample; ties go to the smaller degree). Sized at the rate,
+    not by one replica's goodput: one small replica queues more than several pooled."""
+    big = spec.max_replicas
+    best, best_gpus = None, math.inf
+    for tp in sorted(spec.tp_choices):
+        trial = replace(spec, **{field: tp})
+        sized = {
+            "prefill_tp": lambda n, t=trial: t.config(n, big),
+            "decode_tp": lambda n, t=trial: t.config(big, n),
+            "colocated_tp": lambda n, t=trial: t.config(colocated=n),
+        }[field]
+        one = max_rate(trial, sized(1), phase)
+        n = min(big, max(1, math.ceil(rate / max(one, 1e-9))))
+        while n > 1 and _meets(trial, sized(n - 1), rate, phase):
+            n -= 1
+        while n < big and not _meets(trial, sized(n), rate, phase):
+            n += 1
+        if n * tp < best_gpus:
+            best, best_gpus = tp, n * tp
+    assert best is not None
+    return best
+
+
+def _meets(spec: PlanSpec, config: SimConfig, rate: float, phase: str) -> bool:
+    result = simulate(config, spec.workload(rate))
+    value = result.attainment() if phase == "both" else _phase_attainment(result, phase)
+    return value >= spec.attainment
+
+
 def plan_disaggregated(spec: PlanSpec, rate: float) -> Deployment:
     big = spec.max_replicas
+    if spec.tp_choices:
+        least = min(spec.tp_choices)  # the other pool's degree while one pool's is searched
+        spec = replace(spec, prefill_tp=spec.prefill_tp or least, decode_tp=spec.decode_tp or least)
+        spec = replace(
+            spec,
+            prefill_tp=_best_tp(spec, "prefill_tp", rate, "ttft"),
+            decode_tp=_best_tp(spec, "decode_tp", rate, "tpot"),
+        )
     per_p = max_rate(spec, spec.config(1, big), "ttft")
     per_d = max_rate(spec, spec.config(big, 1), "tpot")
     p = min(big, max(1, math.ceil(rate / per_p)))
@@ -171,11 +249,18 @@ def plan_disaggregated(spec: PlanSpec, rate: float) -> Deployment:
         p, d, result = trial
     config = spec.config(p, d)
     goodput = max_rate(spec, config, hi=max(rate, 0.05))
-    return Deployment("disaggregated", p, d, 0, (p + d) * spec.cost.tp, rate, result, goodput)
+    tp_p, tp_d = config.tp(Pool.PREFILL), config.tp(Pool.DECODE)
+    gpus = p * tp_p + d * tp_d
+    return Deployment(
+        "disaggregated", p, d, 0, gpus, rate, result, goodput, prefill_tp=tp_p, decode_tp=tp_d
+    )
 
 
 def plan_colocated(spec: PlanSpec, rate: float) -> Deployment:
     big = spec.max_replicas
+    if spec.tp_choices:
+        best = _best_tp(spec, "colocated_tp", rate, "both")
+        spec = replace(spec, colocated_tp=best)
     per_c = max_rate(spec, spec.config(colocated=1))
     c = min(big, max(1, math.ceil(rate / max(per_c, 1e-9))))
     result = _evaluate(spec, rate, 0, 0, c)
@@ -187,8 +272,10 @@ def plan_colocated(spec: PlanSpec, rate: float) -> Deployment:
         if r.attainment() < spec.attainment:
             break
         c, result = c - 1, r
-    goodput = max_rate(spec, spec.config(colocated=c), hi=max(rate, 0.05))
-    return Deployment("colocated", 0, 0, c, c * spec.cost.tp, rate, result, goodput)
+    config = spec.config(colocated=c)
+    goodput = max_rate(spec, config, hi=max(rate, 0.05))
+    tp = config.cost.tp
+    return Deployment("colocated", 0, 0, c, c * tp, rate, result, goodput, colocated_tp=tp)
 
 
 def plan(spec: PlanSpec, rate: float) -> tuple[Deployment, Deployment]:
@@ -197,6 +284,12 @@ def plan(spec: PlanSpec, rate: float) -> tuple[Deployment, Deployment]:
 
 
 def attainment_curve(spec: PlanSpec, deployment: Deployment, rates: list[float]) -> list[float]:
+    spec = replace(
+        spec,
+        prefill_tp=deployment.prefill_tp,
+        decode_tp=deployment.decode_tp,
+        colocated_tp=deployment.colocated_tp,
+    )
     config = spec.config(deployment.prefill, deployment.decode, deployment.colocated)
     return [simulate(config, spec.workload(r)).attainment() for r in rates]
 

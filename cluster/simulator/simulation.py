@@ -47,7 +47,10 @@ class Simulation:
         self.events: list = []
         self.seq = 0
         self.t = 0.0
-        self.kv_tokens = config.kv_tokens or config.cost.kv_capacity_tokens()
+        seat_pool = Pool.COLOCATED if config.mode == "colocated" else Pool.DECODE
+        self.kv_tokens = config.kv_tokens or config.cost_for(seat_pool).kv_capacity_tokens()
+        self.costs = {pool: config.cost_for(pool) for pool in Pool}
+        self.transfer = config.transfer_cost()
         self.replicas: list[Replica] = []
         self.routable: dict[str, list[Replica]] = {p: [] for p in config.pools}
         self.waiting: list[int] = []  # router queue for decode seats (FIFO via index)
@@ -62,11 +65,9 @@ class Simulation:
         self.win: dict = self._new_window()
         self.planner: Planner | None = None
         if config.planner.enabled:
-            capacity = config.capacity or config.cost.pool_capacity(
+            capacity = config.capacity or config.planner_capacity(
                 float(np.mean(workload.input_len)) if n else 512.0,
                 float(np.mean(workload.output_len)) if n else 128.0,
-                config.max_batched_tokens,
-                config.max_num_seqs,
             )
             self.planner = Planner(
                 config.slo,
@@ -90,7 +91,7 @@ class Simulation:
         r.t_last = ready_at
         self.counter += 1
         self.replicas.append(r)
-        self._count_gpus(self.c.gpus_per_replica)
+        self._count_gpus(self.c.tp(pool))
         if ready_at <= self.t:
             self._ready(r)
         else:
@@ -117,7 +118,7 @@ class Simulation:
     def _maybe_remove(self, r: Replica) -> None:
         if r.draining and not r.removed and (r.idle or not r.ready):
             r.removed = True
-            self._count_gpus(-self.c.gpus_per_replica)
+            self._count_gpus(-self.c.tp(r.pool))
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, arg) -> None:
@@ -284,13 +285,14 @@ class Simulation:
             p.version += 1
         self._update_host()  # one more busy loop
         # The batch keeps the slowdown it started with (changes while it runs are not seen).
-        seconds = self.c.cost.prefill_time(tokens, sq, len(batch)) * self.c.serving.prefill_factor
+        seconds = self.costs[p.pool].prefill_time(tokens, sq, len(batch))
+        seconds *= self.c.serving.prefill_factor
         self._push(self.t + seconds * self.slowdown, PREFILL_DONE, p, 0)
 
     def _prefill_done(self, p: Replica) -> None:
         t = self.t
         cold = p.age(t) < self.c.planner.warmup_s
-        cost, request_s = self.c.cost, self.c.serving.request_s
+        request_s = self.c.serving.request_s
         batch = p.batch  # stays set until the loop ends: no nested batch starts meanwhile
         for rid, d in batch:
             self.first[rid] = t + request_s
@@ -300,7 +302,8 @@ class Simulation:
             if p.pool == Pool.COLOCATED:
                 self._join(d, rid, now=True)
             else:
-                self._push(t + cost.transfer_time(self.inp[rid]) + request_s, DECODE_JOIN, d, rid)
+                moved = self.transfer.transfer_time(self.inp[rid])
+                self._push(t + moved + request_s, DECODE_JOIN, d, rid)
         p.batch = []
         p.batch_tokens = 0
         self._update_host()
@@ -331,7 +334,7 @@ class Simulation:
             d.base_step_s = 0.0
             self._update_host()
             return
-        d.base_step_s = self.c.cost.decode_step_time(len(d.heap), d.ctx)
+        d.base_step_s = self.costs[d.pool].decode_step_time(len(d.heap), d.ctx)
         d.base_step_s *= self.c.serving.decode_factor
         if not self._update_host():  # else every decode clock was rescheduled already
             self._schedule_next(d)
