@@ -146,6 +146,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-wire-dtype", choices=["fp8", "passthrough"], help="gRPC transport only")
     p.add_argument("--kv-cache-dtype", help="auto or fp8")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="ranks per replica in every pool (heads and MLP split; colocated mode for now)",
+    )
+    p.add_argument("--prefill-tensor-parallel-size", type=int, help="the prefill pool's ranks")
+    p.add_argument("--decode-tensor-parallel-size", type=int, help="the decode pool's ranks")
+    p.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: PDCLUSTER_API_KEY)"
     )
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT target (default 2000)")
@@ -204,6 +211,15 @@ def serve_config(args) -> ClusterConfig:
         data["kv"]["wire_dtype"] = args.kv_wire_dtype
     if args.kv_cache_dtype:
         data["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel_size is not None:
+        data["engine"]["tensor_parallel_size"] = args.tensor_parallel_size
+    for flag, pool in (
+        ("prefill_tensor_parallel_size", "prefill"),
+        ("decode_tensor_parallel_size", "decode"),
+    ):
+        if getattr(args, flag) is not None:
+            engine = data["pools"].setdefault(pool, {}).setdefault("engine", {})
+            engine["tensor_parallel_size"] = getattr(args, flag)
     for flag, key in (("slo_ttft_ms", "ttft_ms"), ("slo_tpot_ms", "tpot_ms")):
         if getattr(args, flag) is not None:
             data.setdefault("slo", {})[key] = getattr(args, flag)

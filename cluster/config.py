@@ -141,6 +141,24 @@ class ClusterConfig:
                 self.engine_config(pool)
             except (EngineError, TypeError) as err:
                 raise ConfigError(f"engine ({pool}): {err}") from None
+        for pool in self.pools:
+            self._check_tensor_parallel(pool)
+
+    def _check_tensor_parallel(self, pool: Pool) -> None:
+        tp = self.engine_config(pool).tensor_parallel_size
+        if tp > 1 and self.mode == "disaggregated":
+            raise ConfigError(
+                f"pools.{pool}: tensor_parallel_size {tp} — disaggregated pools run at tp 1 "
+                "for now: moving KV between sharded replicas (each rank sending its own KV "
+                "heads) is not built yet. Tensor parallelism serves in mode: colocated, and "
+                "offline (pdcluster generate --tensor-parallel-size)"
+            )
+        gpus = getattr(self, pool).num_gpus
+        if tp > 1 and gpus and gpus != tp:
+            raise ConfigError(
+                f"pools.{pool}: a replica of tensor_parallel_size {tp} takes {tp} GPUs (one "
+                f"per rank, of one node), but num_gpus is {gpus:g}"
+            )
 
     @property
     def pools(self) -> list[Pool]:

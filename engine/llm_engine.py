@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -159,6 +160,8 @@ class LLMEngine:
         ]
         self._tp_processes = spawn_workers(specs)
         self.tp = TPGroup.join_as_driver(meeting, store, listener, self.device)
+        processes = self._tp_processes
+        self.tp.watch(lambda: all(p.is_alive() for p in processes))
         self._finalizer = weakref.finalize(self, stop_workers, self.tp, self._tp_processes)
         logger.info(
             "tensor parallel %d: rank 0 here, ranks 1-%d in processes %s",
@@ -167,9 +170,13 @@ class LLMEngine:
             [p.pid for p in self._tp_processes],
         )
 
-    def close(self) -> None:
-        """End the tensor-parallel ranks (a no-op at tp 1). The engine is unusable after."""
+    def close(self, force: bool = False) -> None:
+        """End the tensor-parallel ranks (a no-op at tp 1); ``force``: kill them at once (a
+        rank is lost and the rest may be waiting for it). The engine is unusable after."""
         finalizer = getattr(self, "_finalizer", None)
+        if force:
+            for process in self._tp_processes:
+                process.kill()
         if finalizer is not None:
             finalizer()
         elif self._tp_processes:
@@ -288,6 +295,10 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "vocab_size": self.model_config.vocab_size,
             "max_num_seqs": self.config.max_num_seqs,
+            "tensor_parallel": {
+                "size": self.layout.size,
+                "rank_pids": [os.getpid(), *(p.pid for p in self._tp_processes)],
+            },
         }
 
     def load(self) -> EngineLoad:

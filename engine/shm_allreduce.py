@@ -12,7 +12,8 @@ Two buffers alternate: a rank writes step s into buffer s % 2 only after every r
 published step s - 1, i.e. finished reading buffer s % 2 at step s - 2. A tensor larger
 than a slot goes through in slot-sized pieces (not through gloo: its ring all-reduce gave
 the ranks sums that differ in the last bits, measured with 3 ranks). A peer that stops
-publishing (dead or stuck) makes the wait fail after ``timeout_s``.
+publishing makes the wait fail: at once when ``peers_alive`` (checked every few thousand
+spins) says a rank's process is gone, after ``timeout_s`` when it is merely stuck.
 
 Who calls: TPGroup.all_reduce, on each rank's engine thread, in the same order everywhere.
 """
@@ -23,6 +24,7 @@ import mmap
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ class ShmAllReduce:
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=size * 8)[::8]
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER)
         self._seq = int(self._counters[rank])
+        self.peers_alive: Callable[[], bool] = lambda: True  # set by the group's owner
 
     @staticmethod
     def create(size: int) -> str:
@@ -87,6 +90,11 @@ class ShmAllReduce:
             os.sched_yield()
             spins += 1
             if spins % 4096 == 0:
+                if not self.peers_alive():
+                    raise EngineError(
+                        f"tensor-parallel all-reduce: a rank's process is gone (ranks at "
+                        f"{counters.tolist()}, step {seq})"
+                    )
                 now = time.monotonic()
                 deadline = deadline or now + self._timeout_s
                 if now > deadline:

@@ -22,6 +22,7 @@ import datetime
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -129,6 +130,12 @@ class TPGroup:
         _no_delay(driver)
         driver.send(rank)
         return cls(rank, meeting.size, pg, driver=driver, shm=shm)
+
+    def watch(self, peers_alive: Callable[[], bool]) -> None:
+        """How this rank tells that a peer's process is gone (a collective waiting for it
+        then fails at once instead of at its timeout)."""
+        if self._shm is not None:
+            self._shm.peers_alive = peers_alive
 
     # ---- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

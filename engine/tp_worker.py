@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +114,9 @@ def run_worker(spec: WorkerSpec) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(spec.num_threads)
+    driver_pid = os.getppid()
     tp = TPGroup.join_as_worker(spec.meeting, spec.rank, device)
+    tp.watch(lambda: os.getppid() == driver_pid)  # reparented: the driver is gone
     try:
         torch.manual_seed(config.seed)
         dtype = config.resolve_dtype(device)

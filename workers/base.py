@@ -8,15 +8,20 @@ or an intake (workers/serving_loop.py), then call ``self.loop.start()`` once rea
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
 from engine.llm_engine import LLMEngine, StepResult
+from engine.tp_group import TensorParallelError
 from workers.messages import WorkerStats
 from workers.options import WorkerOptions
 from workers.serving_loop import LayerHook, ServingLoop
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerBase:
@@ -35,15 +40,27 @@ class WorkerBase:
             torch.set_num_threads(self.options.torch_threads)
         self.name = name
         self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
+        self._on_step_error = on_error
         self.loop = ServingLoop(
             self.engine,
             on_result,
-            on_error=on_error,
+            on_error=self._step_failed,
             layer_hook=layer_hook,
             intake=intake,
             name=name,
         )
         self.started_at = time.time()
+
+    def _step_failed(self, err: Exception) -> None:
+        """A failed step ends its requests; a lost tensor-parallel rank ends the replica: its
+        actor exits, so the router retries or migrates what it held and the controller
+        replaces it whole (a replica with a rank missing cannot compute anything)."""
+        if not isinstance(err, TensorParallelError):
+            self._on_step_error(err)
+            return
+        logger.error("%s lost a tensor-parallel rank (%s): the replica exits", self.name, err)
+        self.engine.close(force=True)
+        os._exit(1)
 
     def info(self) -> dict:
         return {"name": self.name, "model": self.options.model, **self.engine.describe()}

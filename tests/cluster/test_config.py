@@ -63,3 +63,18 @@ def test_serve_flags_set_slo_targets_and_admission(tmp_path):
     assert config.limits.slo_admission and config.limits.max_waiting == 8
     args = build_parser().parse_args(["serve", "--no-slo-admission"])
     assert serve_config(args).limits.slo_admission is False
+
+
+def test_serve_tensor_parallel_flags():
+    from cluster.cli import build_parser, serve_config
+    from cluster.config import ConfigError
+    from workers.pool import Pool
+
+    parse = build_parser().parse_args
+    config = serve_config(parse(["serve", "--mode", "colocated", "--tensor-parallel-size", "2"]))
+    assert config.engine_config(Pool.COLOCATED).tensor_parallel_size == 2
+    for flag in ("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"):
+        with pytest.raises(ConfigError, match="disaggregated pools run at tp 1"):
+            serve_config(parse(["serve", flag, "2"]))
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
+        serve_config(parse(["serve", "--mode", "colocated", "--tensor-parallel-size", "0"]))
