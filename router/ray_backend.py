@@ -207,9 +207,12 @@ class RayBackend(Backend):
                         failure,
                     )
                     continue
-                except (Overloaded, NoReplica, RequestRejected):
-                    if not streamed and attempt == 1:
-                        raise  # before the first token: the API answers 429 / 503 / 400
+                except (Overloaded, NoReplica, RequestRejected) as err:
+                    if not streamed:  # before the first token: the API answers 429 / 503 / 400
+                        if attempt == 1:
+                            raise
+                        err.args = (f"{err} (the earlier attempt failed: {last_error})",)
+                        raise
                     finish_reason = "error"
                     yield TokenDelta(
                         [], finish_reason="error", error=f"no replica to continue on: {last_error}"

@@ -20,9 +20,9 @@ PROMPTS = [[1, 17, 5, 99, 23, 8, 41], [1, 200, 3, 3, 64]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def greedy_and_logits(directory, **options):
+def greedy_and_logits(directory, dtype_="float32", **options):
     """Greedy tokens of PROMPTS and every step's logits, from one engine."""
-    llm = LLM(directory, progress=False, dtype="float32", num_kv_blocks=64, **options)
+    llm = LLM(directory, progress=False, dtype=dtype_, num_kv_blocks=64, **options)
     steps = []
     run = llm.engine.runner.run
 
@@ -150,3 +150,18 @@ def test_default_model_tp3_equals_tp1(default_model_file):
     # The all-reduce adds the ranks' partial sums in another order than one GEMM does: over
     # 30 layers that moves fp32 logits of magnitude ~10-20 by up to ~5e-5.
     assert_same_as_tp1("smollm2-135m", 3, scaled=True)
+
+
+@pytest.mark.gpu
+def test_tp2_on_cuda_over_nccl_equals_tp1(tmp_path):
+    """The NCCL path: two GPUs, bf16; greedy tokens equal and logits close to tp 1's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("tensor parallel 2 over NCCL needs two CUDA GPUs")
+    make_checkpoint(tmp_path, "llama")
+    expected_tokens, expected_logits = greedy_and_logits(tmp_path, device="cuda", dtype_="bf16")
+    tokens, logits = greedy_and_logits(
+        tmp_path, device="cuda", dtype_="bf16", tensor_parallel_size=2
+    )
+    assert tokens == expected_tokens
+    for ours, theirs in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.05)
