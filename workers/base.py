@@ -94,4 +94,5 @@ class WorkerBase:
         return self.worker_stats()
 
     def shutdown(self) -> None:
-        self.loop.stop()
+        self.loop.stop()  # under the loop's lock: no step is running after it
+        self.engine.close()  # the tensor-parallel ranks, if any (before Ray kills the actor)
