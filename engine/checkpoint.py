@@ -17,9 +17,9 @@ from engine.loader import (
     load_gguf_model,
     load_model,
     read_model_config,
+    shard_layout,
 )
 from engine.model import LlamaModel
-from engine.tensor_parallel import ShardLayout
 from engine.tiny import TINY_CONFIG, TINY_NAME, build_tiny_model, tiny_hf_tensors, tiny_tokenizer
 from engine.tokenizer import HFTokenizer, Tokenizer
 from engine.tp_group import TPGroup
@@ -89,10 +89,10 @@ class Checkpoint:
         return load_model(self.path, dtype, device, max_positions, tp, progress=progress)
 
     def _tiny_shard(self, dtype, device, max_positions, tp: TPGroup) -> LlamaModel:
-        layout = ShardLayout(TINY_CONFIG, tp.size, tp.rank)
+        layout = shard_layout(TINY_CONFIG, tp)
         model = empty_model(layout, tp, dtype, device, max_positions)
         tensors = tiny_hf_tensors()
-        readers = ((name, TensorReader.of(lambda t=t: t), "tiny") for name, t in tensors.items())
+        readers = ((name, TensorReader.whole(t), "tiny") for name, t in tensors.items())
         fill_weights(model, readers, len(tensors), TINY_NAME, layout, progress=False)
         return model.eval()
 

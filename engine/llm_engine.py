@@ -27,6 +27,7 @@ from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
+from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler, token_logprobs
@@ -35,7 +36,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Fork, Sequence, SequenceStatus, TokenLogprobs
 from engine.step_cost import StepCostModel
 from engine.stop_checker import StopChecker
-from engine.tensor_parallel import ShardLayout, check_tensor_parallel
+from engine.tensor_parallel import ShardLayout
 from engine.tp_group import TPGroup
 from engine.tp_worker import WorkerSpec, rank_device, spawn_workers, stop_workers, wait_ready
 
@@ -70,6 +71,28 @@ def cpu_gemm_plan(model, choice: str) -> GemmPlan:
     return plan
 
 
+def load_shard(
+    checkpoint: Checkpoint,
+    config: EngineConfig,
+    device: torch.device,
+    max_model_len: int,
+    tp: TPGroup,
+    *,
+    progress: bool,
+) -> tuple[LlamaModel, GemmPlan | None]:
+    """The model (``tp``'s rank's shard of it) in the config's dtype on ``device``, its GEMMs
+    through the CPU plan on CPU: what every rank of an engine builds first."""
+    torch.manual_seed(config.seed)
+    model = checkpoint.load_model(
+        config.resolve_dtype(device), device, max_model_len, tp, progress=progress
+    )
+    if device.type != "cpu":
+        return model, None
+    plan = cpu_gemm_plan(model, config.cpu_gemm)
+    model.use_linear(plan.linear)
+    return model, plan
+
+
 class LLMEngine:
     """One replica's engine. With ``tensor_parallel_size`` t > 1 it is rank 0 of t: it
     schedules and samples, and its model runner has ranks 1..t-1 (child processes, see
@@ -83,8 +106,7 @@ class LLMEngine:
         checkpoint = Checkpoint(model)
         self.model_config = checkpoint.config
         tp_size = config.tensor_parallel_size
-        check_tensor_parallel(self.model_config, tp_size)
-        self.layout = ShardLayout(self.model_config, tp_size, 0)
+        self.layout = ShardLayout(self.model_config, tp_size, 0)  # refuses degrees that misfit
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.max_model_len = min(
@@ -96,15 +118,10 @@ class LLMEngine:
         self.tp, self._tp_processes = TPGroup.single(), []
         if tp_size > 1:
             self._start_tensor_parallel(model, num_blocks)
-        torch.manual_seed(config.seed)
         try:
-            self.model = checkpoint.load_model(
-                self.dtype, self.device, self.max_model_len, self.tp, progress=progress
+            self.model, self.gemm_plan = load_shard(
+                checkpoint, config, self.device, self.max_model_len, self.tp, progress=progress
             )
-            self.gemm_plan = None
-            if self.device.type == "cpu":
-                self.gemm_plan = cpu_gemm_plan(self.model, config.cpu_gemm)
-                self.model.use_linear(self.gemm_plan.linear)
             wait_ready(self.tp, self._tp_processes)
         except BaseException:
             self.close()

@@ -98,9 +98,8 @@ class TensorReader:
     read: Callable[[Index], torch.Tensor]
 
     @classmethod
-    def of(cls, get: Callable[[], torch.Tensor]) -> TensorReader:
+    def whole(cls, tensor: torch.Tensor) -> TensorReader:
         """A tensor that can only be produced whole (dequantised GGUF, built in memory)."""
-        tensor = get()
         return cls(tuple(tensor.shape), lambda index: tensor[index] if index else tensor)
 
 
@@ -259,7 +258,7 @@ def load_model(
 ) -> LlamaModel:
     """Build the model (this rank's shard of it) for ``model_dir``'s config directly in
     ``dtype`` on ``device``, and load it."""
-    layout = _layout(read_model_config(model_dir), tp)
+    layout = shard_layout(read_model_config(model_dir), tp)
     model = empty_model(layout, tp, dtype, device, max_positions)
     load_weights(model, model_dir, layout, progress=progress)
     return model.eval()
@@ -277,16 +276,17 @@ def load_gguf_model(
     """The model of a GGUF file (this rank's shard), its tensors dequantised (fp32) one at a
     time, then sliced and cast to ``dtype``."""
     config = gguf.model_config()
-    layout = _layout(config, tp)
+    layout = shard_layout(config, tp)
     model = empty_model(layout, tp, dtype, device, max_positions)
     tensors = (
-        (name, TensorReader.of(get), gguf.path.name) for name, get in gguf.hf_tensors(config)
+        (name, TensorReader.whole(get()), gguf.path.name) for name, get in gguf.hf_tensors(config)
     )
     fill_weights(model, tensors, len(gguf.tensor_names), str(gguf.path), layout, progress=progress)
     return model.eval()
 
 
-def _layout(config: ModelConfig, tp: TPGroup | None) -> ShardLayout:
+def shard_layout(config: ModelConfig, tp: TPGroup | None) -> ShardLayout:
+    """Which part of ``config``'s model ``tp``'s rank holds (all of it without ``tp``)."""
     tp = tp or TPGroup.single()
     return ShardLayout(config, tp.size, tp.rank)
 

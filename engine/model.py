@@ -76,8 +76,6 @@ class DecoderLayer(nn.Module):
 
     def _row_parallel(self, x, weight, bias) -> torch.Tensor:
         """x [T, in / tp] @ weight [out, in / tp]ᵀ summed over the ranks (+ bias, added once)."""
-        if self.tp.size == 1:
-            return self.linear(x, weight, bias)
         return self.tp.all_reduce(self.linear(x, weight, bias if self.tp.is_driver else None))
 
     def _attention(self, hidden, rope, meta, cache, layer_index) -> torch.Tensor:

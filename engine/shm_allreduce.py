@@ -66,18 +66,18 @@ class ShmAllReduce:
     def _reduce(self, flat: torch.Tensor) -> None:
         self._seq += 1
         buffer = self._seq % 2
-        self._slot(buffer, self.rank, flat.dtype, flat.numel()).copy_(flat)
+        self._slot(buffer, self.rank, flat).copy_(flat)
         self._counters[self.rank] = self._seq  # after the data: x86 keeps stores in order
         self._wait_for(self._seq)
-        total = self._slot(buffer, 0, flat.dtype, flat.numel()).clone()
+        total = self._slot(buffer, 0, flat).clone()
         for rank in range(1, self.size):
-            total += self._slot(buffer, rank, flat.dtype, flat.numel())
+            total += self._slot(buffer, rank, flat)
         flat.copy_(total)
 
-    def _slot(self, buffer: int, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def _slot(self, buffer: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+        """Rank ``rank``'s slot in ``buffer``, viewed as a tensor of ``like``'s dtype and size."""
         start = (buffer * self.size + rank) * SLOT_BYTES
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return self._data[start : start + numel * itemsize].view(dtype)
+        return self._data[start : start + like.numel() * like.element_size()].view(like.dtype)
 
     def _wait_for(self, seq: int) -> None:
         counters = self._counters

@@ -68,24 +68,26 @@ class ShardLayout:
         if not 0 <= self.rank < self.size:
             raise EngineError(f"rank {self.rank} is outside tensor parallel size {self.size}")
 
+    def _share(self, count: int) -> range:
+        """This rank's equal share of ``count`` things (``size`` divides ``count``)."""
+        per_rank = count // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
     @property
     def q_heads(self) -> range:
-        per_rank = self.config.num_heads // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return self._share(self.config.num_heads)
 
     @property
     def kv_heads(self) -> range:
         hkv = self.config.num_kv_heads
         if self.size <= hkv:
-            per_rank = hkv // self.size
-            return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+            return self._share(hkv)
         head = self.rank // (self.size // hkv)
         return range(head, head + 1)
 
     @property
     def mlp_columns(self) -> range:
-        per_rank = self.config.intermediate_size // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return self._share(self.config.intermediate_size)
 
     @property
     def has_lm_head(self) -> bool:

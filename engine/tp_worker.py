@@ -104,7 +104,7 @@ def run_worker(spec: WorkerSpec) -> None:
     """A worker process's whole life (the target of spawn_workers)."""
     from engine.checkpoint import Checkpoint
     from engine.kv_cache import PagedKVCache
-    from engine.llm_engine import cpu_gemm_plan
+    from engine.llm_engine import load_shard
     from engine.model_runner import ModelRunner, StepPlan
 
     logging.basicConfig(level=logging.WARNING)
@@ -118,19 +118,10 @@ def run_worker(spec: WorkerSpec) -> None:
     tp = TPGroup.join_as_worker(spec.meeting, spec.rank, device)
     tp.watch(lambda: os.getppid() == driver_pid)  # reparented: the driver is gone
     try:
-        torch.manual_seed(config.seed)
-        dtype = config.resolve_dtype(device)
         checkpoint = Checkpoint(spec.source)
-        model = checkpoint.load_model(dtype, device, spec.max_model_len, tp, progress=False)
-        if device.type == "cpu":
-            model.use_linear(cpu_gemm_plan(model, config.cpu_gemm).linear)
-        cache = PagedKVCache(
-            model.config,
-            spec.num_blocks,
-            config.block_size,
-            config.resolve_kv_cache_dtype(dtype),
-            device,
-        )
+        model, _ = load_shard(checkpoint, config, device, spec.max_model_len, tp, progress=False)
+        kv_dtype = config.resolve_kv_cache_dtype(config.resolve_dtype(device))
+        cache = PagedKVCache(model.config, spec.num_blocks, config.block_size, kv_dtype, device)
         runner = ModelRunner(model, cache)
     except Exception as err:  # the driver reports it as its own error
         tp.reply(WorkerFailed(spec.rank, f"{type(err).__name__}: {err}"))

@@ -125,9 +125,7 @@ def max_rate(
     """The highest rate ``config`` serves with ``phase`` attainment ≥ target (±1%)."""
 
     def ok(rate: float) -> bool:
-        r = simulate(config, spec.workload(rate))
-        value = r.attainment() if phase == "both" else _phase_attainment(r, phase)
-        return value >= spec.attainment
+        return _meets(spec, config, rate, phase)
 
     lo, hi = 0.0, hi or _rough_rate(spec, config)
     while ok(hi):  # grow until it fails

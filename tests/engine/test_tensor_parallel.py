@@ -11,7 +11,7 @@ from engine import SamplingParams
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.llm import LLM
-from engine.loader import _layout, empty_model, load_weights, read_model_config
+from engine.loader import empty_model, load_weights, read_model_config, shard_layout
 from engine.tensor_parallel import ShardLayout, check_tensor_parallel
 from engine.tp_group import TPGroup
 from tests.engine.checkpoints import make_checkpoint
@@ -102,7 +102,7 @@ def test_each_rank_holds_only_its_slice(tmp_path):
 
 def _load(directory, config: ModelConfig, size: int, rank: int):
     tp = TPGroup(rank, size)  # no peers: loading alone never communicates
-    layout = _layout(config, tp)
+    layout = shard_layout(config, tp)
     model = empty_model(layout, tp, torch.float32, torch.device("cpu"), 64)
     load_weights(model, directory, layout, progress=False)
     return model

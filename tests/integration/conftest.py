@@ -53,3 +53,39 @@ def start(config_dict: dict, attempts: int = 3):
             port_taken = "Failed to bind" in str(err) or "address already in use" in str(err)
             if not port_taken or attempt == attempts - 1:
                 raise
+
+
+def stream_and_kill(url: str, prompt: str, max_tokens: int, kill_serving) -> tuple[list[int], str]:
+    """Stream a greedy completion of ``prompt``; once 20 tokens have arrived, call
+    ``kill_serving()`` until it returns the name of what it killed (what serves the stream),
+    and read the stream to its end. Returns every token and that name."""
+    import asyncio
+    import json
+
+    import httpx
+
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+
+    async def run() -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        killed = None
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for choice in event["choices"]:
+                        tokens.extend(choice.get("token_ids") or [])
+                    if len(tokens) >= 20 and killed is None:
+                        killed = kill_serving()
+        return tokens, killed
+
+    tokens, killed = asyncio.run(run())
+    assert killed is not None, "the request finished before what served it could be killed"
+    return tokens, killed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
 import time
@@ -14,7 +13,7 @@ import ray
 
 from cluster.launcher import stop_cluster
 from engine import LLM, SamplingParams
-from tests.integration.conftest import start
+from tests.integration.conftest import start, stream_and_kill
 
 # Token-exact against the offline engine, which runs with other threads: one GEMM library.
 ENGINE = {
@@ -141,41 +140,15 @@ def test_decode_actor_killed_mid_stream_migrates_without_gaps(cluster):
     prompt = "migrate this stream"
     expected = greedy(prompt, 300)
 
-    async def run() -> list[int]:
-        tokens: list[int] = []
-        killed = False
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": 300,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        async with httpx.AsyncClient(base_url=cluster.urls["http"], timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        tokens.extend(choice.get("token_ids") or [])
-                    if len(tokens) >= 20 and not killed:
-                        busy = [
-                            n
-                            for n, s in stats_of(cluster).items()
-                            if n.startswith("decode") and s["running"]
-                        ]
-                        if busy:
-                            kill(cluster, busy[0])
-                            killed = True
-        assert killed, "the request finished before a decode actor could be killed"
-        return tokens
+    def kill_busy_decode() -> str | None:
+        busy = [n for n, s in stats_of(cluster).items() if n.startswith("decode") and s["running"]]
+        if busy:
+            kill(cluster, busy[0])
+            return busy[0]
+        return None
 
-    assert asyncio.run(run()) == expected
+    tokens, _ = stream_and_kill(cluster.urls["http"], prompt, 300, kill_busy_decode)
+    assert tokens == expected
 
 
 def test_stalled_transfer_returns_its_blocks(cluster):

@@ -5,8 +5,6 @@ disaggregated pools refuse tp > 1 at start-up with the reason."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import time
@@ -18,7 +16,7 @@ import ray
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import stop_cluster
 from engine import LLM, SamplingParams
-from tests.integration.conftest import start
+from tests.integration.conftest import start, stream_and_kill
 
 ENGINE = {
     "num_kv_blocks": 256,
@@ -85,35 +83,14 @@ def test_a_killed_rank_ends_its_replica_and_the_stream_moves_on(cluster):
     prompt = "a rank dies mid-stream"
     expected = greedy(prompt, 200)
 
-    async def run() -> tuple[list[int], str]:
-        tokens: list[int] = []
-        victim = None
-        body = {
-            "model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-        }  # fmt: skip
-        async with httpx.AsyncClient(base_url=cluster.urls["http"], timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        tokens.extend(choice.get("token_ids") or [])
-                    if len(tokens) >= 20 and victim is None:
-                        for name, handle in cluster.workers().items():
-                            if ray.get(handle.stats.remote()).to_dict()["running"]:
-                                victim = name
-                                os.kill(
-                                    infos[name]["tensor_parallel"]["rank_pids"][1], signal.SIGKILL
-                                )
-                                break
-        assert victim is not None, "the request finished before a rank could be killed"
-        return tokens, victim
+    def kill_a_serving_rank() -> str | None:
+        for name, handle in cluster.workers().items():
+            if ray.get(handle.stats.remote()).to_dict()["running"]:
+                os.kill(infos[name]["tensor_parallel"]["rank_pids"][1], signal.SIGKILL)
+                return name
+        return None
 
-    tokens, victim = asyncio.run(run())
+    tokens, victim = stream_and_kill(cluster.urls["http"], prompt, 200, kill_a_serving_rank)
     assert tokens == expected
     actor_pid = infos[victim]["tensor_parallel"]["rank_pids"][0]
     deadline = time.monotonic() + 30
