@@ -83,11 +83,21 @@ class PagedKVCache:
             parts += [self.k_scale, self.v_scale]
         return parts
 
-    def scatter(self, layer: int, block_ids: Sequence[int] | torch.Tensor, blocks: LayerKV) -> None:
+    def scatter(
+        self,
+        layer: int,
+        block_ids: Sequence[int] | torch.Tensor,
+        blocks: LayerKV,
+        heads: slice | None = None,
+    ) -> None:
         """Write ``blocks`` ([n, ...], in order; scales when the cache is fp8) into cache
-        blocks ``block_ids`` of one layer. CPU caches take the ids as a list, other devices
-        as an int64 tensor on the device."""
+        blocks ``block_ids`` of one layer; ``heads``: into those of the cache's KV heads
+        only (``blocks`` then hold just them). CPU caches take the ids as a list, other
+        devices as an int64 tensor on the device."""
         sources = (blocks.k, blocks.v, blocks.k_scale, blocks.v_scale)
+        if heads is not None and heads != slice(0, self.num_kv_heads):
+            self._scatter_heads(layer, block_ids, sources, heads)
+            return
         pairs = [(t[layer], src) for t, src in zip(self.tensors(), sources, strict=False)]
         if self.device.type == "cpu":
             # numpy slice copies per run of consecutive blocks: plain memcpys on the calling
@@ -105,6 +115,21 @@ class PagedKVCache:
         # is per element, the bytes are the same).
         for dst, src in pairs:
             _word_rows(dst).index_put_((block_ids,), _word_rows(src))
+
+    def _scatter_heads(self, layer: int, block_ids, sources, heads: slice) -> None:
+        """Some KV heads of whole blocks: strided copies (a tensor-parallel peer's share)."""
+        for tensor, src in zip(self.tensors(), sources, strict=False):
+            dst = tensor[layer]
+            if self.device.type == "cpu":
+                ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+                for first, offset, n in block_runs(ids):
+                    view = dst[first : first + n]
+                    target = view[:, :, heads] if view.dim() == 4 else view[:, heads]
+                    target.copy_(src[offset : offset + n])
+            elif dst.dim() == 4:  # K or V [N, bs, Hkv, D]
+                dst[block_ids, :, heads] = src
+            else:  # scales [N, Hkv]
+                dst[block_ids, heads] = src
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block, every layer's K, V and scales."""

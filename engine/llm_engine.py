@@ -16,6 +16,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,15 @@ from engine.step_cost import StepCostModel
 from engine.stop_checker import StopChecker
 from engine.tensor_parallel import ShardLayout
 from engine.tp_group import TPGroup
-from engine.tp_worker import WorkerSpec, rank_device, spawn_workers, stop_workers, wait_ready
+from engine.tp_worker import (
+    RankServiceFactory,
+    ToRank,
+    WorkerSpec,
+    rank_device,
+    spawn_workers,
+    stop_workers,
+    wait_ready,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +65,15 @@ class StepResult:
     finished: list[RequestOutput]
     seconds: float = 0.0  # the step's wall time
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerCallbacks:
+    """What a layer hook may return instead of a bare ``layer_done``: the callback, and data
+    for the other ranks' services that goes with this step's plan (tp_worker.RankService)."""
+
+    layer_done: Callable[[int], None] | None
+    rank_data: Any = None
 
 
 def cpu_gemm_plan(model, choice: str) -> GemmPlan:
@@ -96,10 +114,16 @@ def load_shard(
 class LLMEngine:
     """One replica's engine. With ``tensor_parallel_size`` t > 1 it is rank 0 of t: it
     schedules and samples, and its model runner has ranks 1..t-1 (child processes, see
-    engine.tp_worker) run their shards of every forward in step; ``close`` ends them."""
+    engine.tp_worker) run their shards of every forward in step; ``close`` ends them.
+    ``rank_service`` gives each of those ranks a service (its KV transfer side, say)."""
 
     def __init__(
-        self, model: str | Path, config: EngineConfig | None = None, *, progress: bool = True
+        self,
+        model: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        progress: bool = True,
+        rank_service: RankServiceFactory | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_name = str(model)
@@ -116,13 +140,14 @@ class LLMEngine:
         local_config = self.layout.local_config  # this rank's heads: its cache's shape
         num_blocks = config.num_kv_blocks or config.blocks_for_memory(local_config, kv_dtype)
         self.tp, self._tp_processes = TPGroup.single(), []
+        self.rank_infos: list[Any] = []  # ranks 1..t-1: their services' info()
         if tp_size > 1:
-            self._start_tensor_parallel(model, num_blocks)
+            self._start_tensor_parallel(model, num_blocks, rank_service)
         try:
             self.model, self.gemm_plan = load_shard(
                 checkpoint, config, self.device, self.max_model_len, self.tp, progress=progress
             )
-            wait_ready(self.tp, self._tp_processes)
+            self.rank_infos = wait_ready(self.tp, self._tp_processes)
         except BaseException:
             self.close()
             raise
@@ -149,7 +174,9 @@ class LLMEngine:
             self.num_prompt_tokens_computed = 0
             self.step_cost = StepCostModel()  # compiles and captures are not its steps
 
-    def _start_tensor_parallel(self, model: str | Path, num_blocks: int) -> None:
+    def _start_tensor_parallel(
+        self, model: str | Path, num_blocks: int, service: RankServiceFactory | None
+    ) -> None:
         """Start ranks 1..t-1 and meet them; each loads its shard while this one does."""
         size = self.layout.size
         if self.device.type == "cuda":
@@ -172,6 +199,7 @@ class LLMEngine:
                 num_threads=threads,
                 num_blocks=num_blocks,
                 max_model_len=self.max_model_len,
+                service=service,
             )
             for rank in range(1, size)
         ]
@@ -186,6 +214,15 @@ class LLMEngine:
             size - 1,
             [p.pid for p in self._tp_processes],
         )
+
+    def send_to_ranks(self, payload: Any) -> None:
+        """Hand ``payload`` to every other rank's service, in order with the steps (the
+        caller holds the engine's lock). Raises TensorParallelError if a rank is gone."""
+        self.tp.send(ToRank(payload))
+
+    def listen_to_ranks(self, deliver: Callable[[Any], None]) -> None:
+        """Deliver every ``FromRank`` message of the ranks' services (on listener threads)."""
+        self.tp.listen(deliver)
 
     def close(self, force: bool = False) -> None:
         """End the tensor-parallel ranks (a no-op at tp 1); ``force``: kill them at once (a
@@ -315,6 +352,7 @@ class LLMEngine:
             "tensor_parallel": {
                 "size": self.layout.size,
                 "rank_pids": [os.getpid(), *(p.pid for p in self._tp_processes)],
+                "kv_heads": [list(heads) for heads in self.layout.kv_heads_by_rank()],
             },
         }
 
@@ -387,14 +425,17 @@ class LLMEngine:
         """Run one batch: schedule → forward → sample and check stops.
 
         ``layer_hook(batch)``, if given, returns the ``layer_done(i)`` callback the model calls
-        after each layer (the prefill worker streams KV from it)."""
+        after each layer (the prefill worker streams KV from it), or LayerCallbacks."""
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult([], [])
         prompt_tokens = 0
         layer_done = layer_hook(batch) if layer_hook is not None else None
-        logits, sampling, prompt_hidden = self.runner.run(batch, layer_done)
+        rank_data = None
+        if isinstance(layer_done, LayerCallbacks):
+            layer_done, rank_data = layer_done.layer_done, layer_done.rank_data
+        logits, sampling, prompt_hidden = self.runner.run(batch, layer_done, rank_data)
         for i, hidden in prompt_hidden.items():
             self._record_prompt_logprobs(batch.seqs[i], hidden)
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):

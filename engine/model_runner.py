@@ -10,8 +10,10 @@ in step with it; only the driver computes logits.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +37,7 @@ class StepPlan:
     prefill_new_lens: list[int]
     prefill_prefix_lens: list[int]
     copies: list[tuple[int, int]]  # (source, destination) blocks to copy first
+    service: Any = None  # the driver's worker's data for the ranks' services (tp_worker)
 
 
 class ModelRunner:
@@ -47,15 +50,20 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine once captured
 
     def run(
-        self, batch: ScheduledBatch, layer_done: Callable[[int], None] | None = None
+        self,
+        batch: ScheduledBatch,
+        layer_done: Callable[[int], None] | None = None,
+        rank_data: Any = None,
     ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
-        """Forward the batch. Returns (logits [n, V] fp32, indexes into batch.seqs of the n
+        """Forward the batch (``rank_data`` goes with its plan to the other ranks). Returns (logits [n, V] fp32, indexes into batch.seqs of the n
         sequences whose prompt or token is now fully computed and so sample a token, and for
         each prompt chunk whose sequence asked for prompt logprobs, its index → its rows'
         hidden states [count, H])."""
         plan, last_rows, sampling = self.plan(batch)
         if self.tp.size > 1:
-            self.tp.send(plan)
+            self.tp.send(
+                plan if rank_data is None else dataclasses.replace(plan, service=rank_data)
+            )
         hidden = self.forward(plan, layer_done)
         rows = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows]) if sampling else hidden.new_empty(0, 0)

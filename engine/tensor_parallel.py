@@ -85,6 +85,11 @@ class ShardLayout:
         head = self.rank // (self.size // hkv)
         return range(head, head + 1)
 
+    def kv_heads_by_rank(self) -> tuple[tuple[int, int], ...]:
+        """Every rank's KV heads [start, stop) at this degree (what a KV peer must know)."""
+        ranks = (dataclasses.replace(self, rank=r).kv_heads for r in range(self.size))
+        return tuple((heads.start, heads.stop) for heads in ranks)
+
     @property
     def mlp_columns(self) -> range:
         return self._share(self.config.intermediate_size)

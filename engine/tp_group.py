@@ -12,16 +12,19 @@
   collective timeout should bound, and because a dead driver is then an EOF, not a hang.
 
 Who calls: the driver's engine (its model runner) and each worker rank's loop (tp_worker).
-Every method is called from one thread per process. Errors: a peer that is gone raises
+Every method is called from one thread per process, except ``listen``'s threads, which
+only read the driver's sockets (the sending thread only writes them). Errors: a peer that is gone raises
 ``TensorParallelError`` naming the rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
@@ -32,6 +35,8 @@ import torch.distributed as dist
 
 from engine.errors import EngineError
 from engine.shm_allreduce import ShmAllReduce
+
+logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # one all-reduce of one step
 
@@ -181,6 +186,25 @@ class TPGroup:
     def reply(self, message: Any) -> None:
         """Worker only: a message to the driver."""
         self._driver.send(message)
+
+    def listen(self, deliver: Callable[[Any], None]) -> None:
+        """Driver only, once the workers are ready: hand every later message from a worker
+        to ``deliver`` (on one daemon thread per worker) until it goes away."""
+
+        def read(rank: int, conn: Connection) -> None:
+            while True:
+                try:
+                    message = conn.recv()
+                except (OSError, EOFError):
+                    return  # gone: the engine's next collective reports it
+                try:
+                    deliver(message)
+                except Exception:  # one bad message must not deafen the driver
+                    logger.exception("message from tensor-parallel rank %d failed", rank)
+
+        for rank, conn in enumerate(self._workers, start=1):
+            name = f"tp-listen-rank{rank}"
+            threading.Thread(target=read, args=(rank, conn), name=name, daemon=True).start()
 
     def close(self) -> None:
         for conn in [*self._workers, self._driver]:

@@ -7,6 +7,12 @@ message becomes the driver's error. Then each worker loops: a ``StepPlan`` is on
 pass (its all-reduces meet the driver's), ``Stop`` ends it. A worker whose driver is gone
 (EOF on its socket) exits; the driver sees a gone worker as a TensorParallelError at its
 next step. The processes are daemons: they never outlive the driver's process.
+
+A worker actor may give every rank a **rank service** (``WorkerSpec.service``): what the
+rank does beside the model, e.g. send or receive its own KV heads in a disaggregated
+replica. The driver talks to the services with ``ToRank`` messages in the plan stream (so
+they are ordered with the steps), each plan may carry data for them (``StepPlan.service``),
+and a service answers with ``FromRank`` messages, which the driver's listener hands on.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +32,55 @@ from engine.config import EngineConfig
 from engine.tp_group import Rendezvous, TensorParallelError, TPGroup
 
 logger = logging.getLogger(__name__)
+
+
+class RankService(ABC):
+    """A worker rank's part of its actor's work beyond the forward passes.
+
+    Who calls: the rank's main loop (one thread): ``handle`` for each ``ToRank`` payload,
+    ``layer_hook`` / ``after_forward`` around each forward with the plan's ``service`` data,
+    ``stop`` once at the end. The service may run threads of its own; ``reply`` (given at
+    construction) is safe from any of them. Errors raised here end the rank (and so the
+    replica): a service must turn its requests' failures into replies itself."""
+
+    def info(self) -> Any:
+        """What the driver learns when the rank is ready (e.g. a receiver's address)."""
+        return None
+
+    @abstractmethod
+    def handle(self, payload: Any) -> None: ...
+
+    def layer_hook(self, step_data: Any) -> Callable[[int], None] | None:
+        """The ``layer_done(i)`` callback of this step's forward, if the service needs one."""
+        return None
+
+    @abstractmethod
+    def after_forward(self, step_data: Any) -> None:
+        """Called after the step's forward (its KV is in this rank's cache)."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Release what the service holds."""
+
+
+# (rank, cache, layout, reply) -> RankService; picklable (a frozen dataclass with __call__).
+RankServiceFactory = Callable[..., RankService]
+
+
+@dataclass(frozen=True)
+class ToRank:
+    """Driver → every worker rank's service (sent with the engine's lock held, so it is
+    ordered with the steps' plans)."""
+
+    payload: Any
+
+
+@dataclass(frozen=True)
+class FromRank:
+    """A worker rank's service → the driver."""
+
+    rank: int
+    payload: Any
 
 
 @dataclass(frozen=True)
@@ -35,11 +94,13 @@ class WorkerSpec:
     num_threads: int  # CPU: torch threads of this rank
     num_blocks: int  # every rank's cache has the driver's block count
     max_model_len: int
+    service: RankServiceFactory | None = None
 
 
 @dataclass(frozen=True)
 class WorkerReady:
     rank: int
+    info: Any = None  # its service's info()
 
 
 @dataclass(frozen=True)
@@ -72,8 +133,9 @@ def spawn_workers(specs: list[WorkerSpec]) -> list[multiprocessing.Process]:
     return processes
 
 
-def wait_ready(tp: TPGroup, processes: list[multiprocessing.Process]) -> None:
-    """Driver: every worker's shard is loaded, or raise with the first failure's message."""
+def wait_ready(tp: TPGroup, processes: list[multiprocessing.Process]) -> list[Any]:
+    """Driver: every worker's shard is loaded, or raise with the first failure's message.
+    Returns each worker rank's service info, in rank order."""
     try:
         replies = tp.receive_from_workers()
     except TensorParallelError as err:
@@ -84,6 +146,7 @@ def wait_ready(tp: TPGroup, processes: list[multiprocessing.Process]) -> None:
         raise TensorParallelError(
             f"tensor-parallel rank {failed[0].rank} failed to load: {failed[0].message}"
         )
+    return [r.info for r in replies]
 
 
 def stop_workers(tp: TPGroup, processes: list[multiprocessing.Process]) -> None:
@@ -106,6 +169,7 @@ def run_worker(spec: WorkerSpec) -> None:
     from engine.kv_cache import PagedKVCache
     from engine.llm_engine import load_shard
     from engine.model_runner import ModelRunner, StepPlan
+    from engine.tensor_parallel import ShardLayout
 
     logging.basicConfig(level=logging.WARNING)
     config = spec.config
@@ -123,19 +187,38 @@ def run_worker(spec: WorkerSpec) -> None:
         kv_dtype = config.resolve_kv_cache_dtype(config.resolve_dtype(device))
         cache = PagedKVCache(model.config, spec.num_blocks, config.block_size, kv_dtype, device)
         runner = ModelRunner(model, cache)
+        service = None
+        if spec.service is not None:
+            layout = ShardLayout(checkpoint.config, tp.size, spec.rank)
+            reply_lock = threading.Lock()
+
+            def reply(payload: Any) -> None:
+                with reply_lock:
+                    tp.reply(FromRank(spec.rank, payload))
+
+            service = spec.service(spec.rank, cache, layout, reply)
     except Exception as err:  # the driver reports it as its own error
         tp.reply(WorkerFailed(spec.rank, f"{type(err).__name__}: {err}"))
         tp.close()
         return
-    tp.reply(WorkerReady(spec.rank))
+    tp.reply(WorkerReady(spec.rank, service.info() if service is not None else None))
     try:
         while True:
             message = tp.receive()
             if isinstance(message, Stop):
                 break
+            if isinstance(message, ToRank):
+                service.handle(message.payload)
+                continue
             assert isinstance(message, StepPlan), type(message)
-            runner.forward(message)
+            if service is None or message.service is None:
+                runner.forward(message)
+                continue
+            runner.forward(message, service.layer_hook(message.service))
+            service.after_forward(message.service)
     except TensorParallelError as err:
         logger.warning("tensor-parallel rank %d stops: %s", spec.rank, err)
     finally:
+        if service is not None:
+            service.stop()
         tp.close()

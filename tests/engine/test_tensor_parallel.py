@@ -26,8 +26,8 @@ def greedy_and_logits(directory, dtype_="float32", **options):
     steps = []
     run = llm.engine.runner.run
 
-    def capture(batch, layer_done=None):
-        logits, sampling, prompt_hidden = run(batch, layer_done)
+    def capture(batch, layer_done=None, rank_data=None):
+        logits, sampling, prompt_hidden = run(batch, layer_done, rank_data)
         steps.append(logits.clone())
         return logits, sampling, prompt_hidden
 
