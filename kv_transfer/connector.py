@@ -13,6 +13,12 @@ One request's KV, in order:
    completes the lease (the blocks pass to the decode engine) or releases it. ``abort``
    instead ends the stream at once; the receiver releases the lease.
 
+Tensor-parallel replicas: a transfer is one stream per (prefill rank, decode rank) pair that
+shares KV heads (kv_transfer.sharding). Each rank has its own side over its own cache; rank
+0's handle lists every decode rank's receiver (``KVHandle.receivers``), and each decode
+rank's lease is a mirror of rank 0's (kv_transfer.lease_mirror). Only the gRPC transport
+does this.
+
 Block ownership: the lease table owns a lease's blocks from reserve to complete or release;
 the receive side writes into them only through ``LeaseTable.write``, so nothing lands after a
 lease is released or expired. The send side only reads the prefill cache's blocks, during
@@ -33,6 +39,7 @@ import torch
 from engine.kv_cache import PagedKVCache
 from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.options import KVTransferOptions
+from kv_transfer.sharding import RankReceiver
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,10 @@ class KVHandle:
 
     transport: str
     lease_id: str
-    address: str  # the transport's own address of the receiver
+    address: str  # the transport's own address of the receiver (rank 0's when sharded)
+    # A tensor-parallel decode replica: every rank's receiver and KV heads (kv_transfer.
+    # sharding); empty when one receiver at ``address`` holds all of them.
+    receivers: tuple[RankReceiver, ...] = ()
 
 
 @dataclass(frozen=True)

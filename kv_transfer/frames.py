@@ -4,11 +4,14 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
 
 1. a **handshake** frame (no payload): ``{"type": "handshake", "version", "request_id",
    "lease_id", "fingerprint", "block_size", "num_tokens", "wire_dtype", "payload_dtype",
-   "layout"}``; the receiver refuses a mismatch before it decodes anything else;
+   "layout", "heads"}``; the receiver refuses a mismatch before it decodes anything else.
+   ``heads`` = [start, stop): the model's KV heads this stream carries (between
+   tensor-parallel replicas a transfer is one stream per pair of ranks, each with some
+   heads, kv_transfer.sharding); absent, all of them;
 2. **kv** frames, per layer or per group of blocks of a layer: ``{"type": "kv", "layer",
    "block_start", "block_count"}``; the payload is the K blocks then the V blocks
-   ``[block_count, block_size, num_kv_heads, head_dim]`` of ``payload_dtype`` (row-major,
-   ``LAYOUT``), followed for fp8 by the K then V scales ``[block_count, num_kv_heads]``
+   ``[block_count, block_size, heads, head_dim]`` of ``payload_dtype`` (row-major,
+   ``LAYOUT``, the stream's heads), followed for fp8 by the K then V scales ``[block_count, heads]``
    float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
    groups come in order and without gaps;
    With the NIXL transport the handshake carries the sender's NIXL agent metadata
@@ -19,7 +22,8 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    (CRC32C of those bytes) and notifies ``"<lease_id>:<slot>"``: the slot may be reused;
 3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``, and
    ``"fork_tokens"`` (the first tokens of the prompt's other sequences, OpenAI's ``n``) when
-   there are forks.
+   there are forks. Of a sharded transfer's streams only the one from prefill rank 0 to
+   decode rank 0 carries the first tokens; the others' end frames leave them out.
 
 Every frame carries ``crc32 = CRC32C(meta + payload)`` (Castagnoli, hardware-accelerated by
 the ``crc32c`` package; protocol version 1 used zlib's CRC-32, and a version-1 peer is
@@ -51,7 +55,7 @@ import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
 
-PROTOCOL_VERSION = 2  # 2: CRC32C checksums (1: zlib CRC-32)
+PROTOCOL_VERSION = 3  # 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
 # Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
 # PagedKVCache layout, so a payload is a straight copy of pages.
 LAYOUT = "blocks,block_size,kv_heads,head_dim"
@@ -80,13 +84,23 @@ class Handshake:
     version: int = PROTOCOL_VERSION
     data_channel: bool = False  # the sender asks for a raw TCP data channel for kv frames
     nixl_agent: bytes = b""  # NIXL transport: the sender's agent metadata (kv_ready frames)
+    heads: tuple[int, int] | None = None  # the model's KV heads [start, stop) carried; None: all
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
 
+    def head_range(self) -> tuple[int, int]:
+        """The KV heads this stream carries (all of the fingerprint's when not given)."""
+        return self.heads or (0, int(self.fingerprint["num_kv_heads"]))
+
     def to_meta(self) -> dict[str, Any]:
-        return {"type": HANDSHAKE, **asdict(self)}
+        meta = {"type": HANDSHAKE, **asdict(self)}
+        if self.heads is None:
+            del meta["heads"]
+        else:
+            meta["heads"] = list(self.heads)
+        return meta
 
 
 @dataclass(frozen=True)
@@ -112,7 +126,7 @@ class ReadyFrame:
 
 @dataclass(frozen=True)
 class EndFrame:
-    first_token: int
+    first_token: int | None  # None: another stream of the transfer carries it
     num_kv_frames: int
     fork_tokens: tuple[int, ...] = ()
 
@@ -181,9 +195,11 @@ def encode_ready(
 
 
 def encode_end(
-    first_token: int, num_kv_frames: int, fork_tokens: Sequence[int] = ()
+    first_token: int | None, num_kv_frames: int, fork_tokens: Sequence[int] = ()
 ) -> tuple[bytes, bytes, int]:
-    meta = {"type": END, "first_token": first_token, "num_kv_frames": num_kv_frames}
+    meta: dict[str, Any] = {"type": END, "num_kv_frames": num_kv_frames}
+    if first_token is not None:
+        meta["first_token"] = first_token
     if fork_tokens:
         meta["fork_tokens"] = list(fork_tokens)
     return encode_frame(meta)
@@ -224,6 +240,25 @@ def _bytes(meta: dict, key: str) -> bytes:
     if not isinstance(value, bytes):
         raise FrameError(f"frame field {key!r} must be bytes, got {type(value).__name__}")
     return value
+
+
+def _heads(meta: dict, fingerprint: dict) -> tuple[int, int] | None:
+    value = meta.get("heads")
+    if value is None:
+        return None
+    total = fingerprint.get("num_kv_heads")
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or not isinstance(total, int)
+        or not 0 <= value[0] < value[1] <= total
+    ):
+        raise FrameError(
+            f"handshake field 'heads' must be [start, stop) within the model's {total} KV "
+            f"heads, got {value!r}"
+        )
+    return value[0], value[1]
 
 
 def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
@@ -280,6 +315,7 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             version=_int(fields, "version"),
             data_channel=_bool(fields, "data_channel"),
             nixl_agent=_bytes(fields, "nixl_agent"),
+            heads=_heads(fields, fingerprint),
         )
     if kind == END:
         forks = fields.get("fork_tokens", [])
@@ -288,7 +324,7 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
         ):
             raise FrameError("end frame field 'fork_tokens' must be a list of token ids")
         return EndFrame(
-            first_token=_int(fields, "first_token"),
+            first_token=_int(fields, "first_token") if "first_token" in fields else None,
             num_kv_frames=_int(fields, "num_kv_frames"),
             fork_tokens=tuple(forks),
         )

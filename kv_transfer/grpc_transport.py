@@ -3,12 +3,18 @@
 
 The send side keeps one sender (one gRPC channel) per receiver address, made on first use and
 shared by every request to it. The handle is the lease id and the receiver's gRPC address.
+
+Between tensor-parallel replicas every rank has a side of its own: each prefill rank's send
+side opens one stream per decode rank it owes KV heads (kv_transfer.sharding) and sends each
+layer's blocks sliced to those heads; each decode rank's receive side fills its own heads,
+and rank 0's handle lists every rank's receiver.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,59 +34,131 @@ from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.options import KVTransferOptions
 from kv_transfer.receiver import KVReceiverServer
 from kv_transfer.sender import KVSender, TransferStream
+from kv_transfer.sharding import HeadRange, RankReceiver, routes
 
 NAME = "grpc"
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One stream of a transfer: to one receiver, some of this cache's KV heads."""
+
+    stream: TransferStream
+    heads: slice  # of this cache's heads
+    carries_first_token: bool
+
+
 class GrpcSendStream(KVSendStream):
+    """One request's transfer: a stream per receiver this rank owes KV heads (one stream
+    between tp 1 replicas); none for a rank whose heads another rank sends."""
+
     transport = NAME
 
-    def __init__(self, cache: PagedKVCache, stream: TransferStream) -> None:
+    def __init__(self, cache: PagedKVCache, parts: list[_Part], request_id: str) -> None:
         self._cache = cache
-        self._stream = stream
+        self._parts = parts
+        self._request_id = request_id
 
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
+        if not self._parts:
+            return
         # A gathered copy, so the frames may be sent straight from its memory (no second copy).
         blocks = self._cache.gather(layer, block_ids)
-        self._stream.send_layer(
-            layer,
-            blocks.k,
-            blocks.v,
-            blocks.k_scale,
-            blocks.v_scale,
-            first_block=first_block,
-            copy=False,
+        for part in self._parts:
+            k, v, ks, vs = blocks.k, blocks.v, blocks.k_scale, blocks.v_scale
+            if part.heads != slice(0, self._cache.num_kv_heads):
+                k, v = k[:, :, part.heads].contiguous(), v[:, :, part.heads].contiguous()
+                if ks is not None:
+                    ks, vs = ks[:, part.heads].contiguous(), vs[:, part.heads].contiguous()
+            part.stream.send_layer(layer, k, v, ks, vs, first_block=first_block, copy=False)
+
+    def finish(self, first_token: int | None, fork_tokens: Sequence[int] = ()) -> TransferResult:
+        results = []
+        for part in self._parts:
+            if part.carries_first_token:
+                results.append(part.stream.finish(first_token, fork_tokens))
+            else:
+                results.append(part.stream.finish(None))
+        return TransferResult(
+            request_id=self._request_id,
+            lease_id=results[0].lease_id if results else "",
+            payload_bytes=sum(r.payload_bytes for r in results),
+            kv_bytes=sum(r.kv_bytes for r in results),
+            num_frames=sum(r.num_frames for r in results),
+            seconds=max((r.seconds for r in results), default=0.0),
         )
 
-    def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
-        return self._stream.finish(first_token, fork_tokens)
-
     def abort(self, reason: str) -> None:
-        self._stream.abort(reason)
+        for part in self._parts:
+            part.stream.abort(reason)
 
 
 class GrpcSendSide(KVSendSide):
+    """``rank`` / ``heads_by_rank``: this prefill rank and every rank's KV heads, for a
+    tensor-parallel replica (default: tp 1, all heads here)."""
+
     transport = NAME
 
-    def __init__(self, cache: PagedKVCache, fingerprint: dict, options: KVTransferOptions) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        fingerprint: dict,
+        options: KVTransferOptions,
+        rank: int = 0,
+        heads_by_rank: tuple[HeadRange, ...] | None = None,
+    ) -> None:
         self._cache = cache
         self._fingerprint = fingerprint
         self._options = options
+        self._num_heads = int(fingerprint["num_kv_heads"])
+        self._rank = rank
+        self._heads_by_rank = heads_by_rank or ((0, self._num_heads),)
         self._senders: dict[str, KVSender] = {}
         self._lock = threading.Lock()
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> GrpcSendStream:
-        stream = self._open_stream(handle, request_id, num_tokens, self._options.wire_dtype)
-        return GrpcSendStream(self._cache, stream)
+        self._check_transport(handle)
+        receivers = handle.receivers or (RankReceiver(handle.address, (0, self._num_heads)),)
+        try:
+            plan = routes(self._heads_by_rank, [r.heads for r in receivers])
+        except ValueError as err:
+            raise KVTransferError(f"KV layouts do not meet: {err}", "FAILED_PRECONDITION") from None
+        first = self._heads_by_rank[self._rank][0]
+        parts: list[_Part] = []
+        try:
+            for route in (r for r in plan if r.sender == self._rank):
+                whole = route.heads == (0, self._num_heads)
+                stream = self._open_stream(
+                    handle,
+                    request_id,
+                    num_tokens,
+                    self._options.wire_dtype,
+                    address=receivers[route.receiver].address,
+                    heads=None if whole else route.heads,
+                )
+                heads = slice(route.heads[0] - first, route.heads[1] - first)
+                parts.append(_Part(stream, heads, self._rank == 0 and route.receiver == 0))
+        except BaseException:
+            for part in parts:
+                part.stream.abort("a sibling stream failed to open")
+            raise
+        return GrpcSendStream(self._cache, parts, request_id)
 
     def _open_stream(
-        self, handle: KVHandle, request_id: str, num_tokens: int, wire_dtype: str, **extra
+        self,
+        handle: KVHandle,
+        request_id: str,
+        num_tokens: int,
+        wire_dtype: str,
+        address: str | None = None,
+        **extra,
     ) -> TransferStream:
-        """The gRPC stream of one transfer to ``handle``'s lease (a transport built on this
-        one passes its handshake fields in ``extra``)."""
+        """The gRPC stream of one transfer to ``handle``'s lease, at ``address`` (default:
+        the handle's); a transport built on this one passes its handshake fields in
+        ``extra``."""
         self._check_transport(handle)
         cache = self._cache
-        return self._sender(handle.address).open(
+        return self._sender(address or handle.address).open(
             request_id,
             handle.lease_id,
             self._fingerprint,
@@ -123,11 +201,23 @@ class GrpcSendSide(KVSendSide):
 
 
 class GrpcRecvSide(KVRecvSide):
+    """``kv_heads``: the model's KV heads this rank's cache holds (default: all);
+    ``peers``: the other ranks' receivers of a tensor-parallel replica (rank 0 lists them
+    in its handles)."""
+
     transport = NAME
 
-    def __init__(self, fingerprint: dict, options: KVTransferOptions) -> None:
+    def __init__(
+        self,
+        fingerprint: dict,
+        options: KVTransferOptions,
+        kv_heads: HeadRange | None = None,
+        peers: tuple[RankReceiver, ...] = (),
+    ) -> None:
         self._fingerprint = fingerprint
         self._options = options
+        self._kv_heads = kv_heads
+        self._peers = peers
         self.server: KVReceiverServer | None = None
 
     def start(self, cache: PagedKVCache, leases: LeaseTable) -> None:
@@ -141,6 +231,7 @@ class GrpcRecvSide(KVRecvSide):
             token=options.token,
             tls_cert=options.tls_cert,
             tls_key=options.tls_key,
+            kv_heads=self._kv_heads,
             **{"data_channel": options.data_channel, **self._server_options(cache)},
         )
         self.server.start()
@@ -152,7 +243,10 @@ class GrpcRecvSide(KVRecvSide):
     def handle_for(self, lease: Lease) -> KVHandle:
         if self.server is None:
             raise KVTransferError("the KV receiver is not started", "UNAVAILABLE")
-        return KVHandle(self.transport, lease.lease_id, self.server.address)
+        if not self._peers:
+            return KVHandle(self.transport, lease.lease_id, self.server.address)
+        mine = RankReceiver(self.server.address, self.server.kv_heads)
+        return KVHandle(self.transport, lease.lease_id, mine.address, (mine, *self._peers))
 
     def stats(self) -> ReceiverStats:
         return ReceiverStats() if self.server is None else self.server.stats

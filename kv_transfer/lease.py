@@ -15,6 +15,15 @@ decode is. The guarantee that nothing is written after a lease is released or ex
 by construction: a copy starts only while the lease is receiving and inside its deadline, and
 a lease released while a copy is in flight gives its blocks back only when that copy ends.
 Lock order: engine lock, then the state lock; never the other way round.
+
+Tensor parallelism: a decode replica of tp b has a lease table per rank, each over that
+rank's cache and KV heads. Rank 0's table owns the blocks (its BlockManager); its ``peers``
+mirror every lease on the other ranks (kv_transfer.lease_mirror). A transfer is then several
+streams, each filling some of a rank's heads (``begin`` / ``complete`` name them); rank 0's
+lease completes when its own heads are filled, every peer rank reported its heads filled
+(``peer_filled``) and the first token has come. Released, its blocks return to the pool
+only once no local copy is in flight *and* every peer confirmed the same of its own
+(``peer_drained``): nothing lands on any rank after a lease is released.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +74,29 @@ class Lease:
     # blocks over makes its own stream wait on it before reading them.
     ready_event: object | None = field(default=None, repr=False)
     blocks_owed: bool = field(default=False, repr=False)  # released: free when writers hit 0
+    # The KV heads [start, stop) of this rank's cache, which the lease's streams fill (set by
+    # the first stream); the heads of streams attached so far, and of those that ended whole.
+    heads: tuple[int, int] | None = field(default=None, repr=False)
+    heads_claimed: set[int] = field(default_factory=set, repr=False)
+    heads_filled: set[int] = field(default_factory=set, repr=False)
+    peers_pending: set[int] = field(default_factory=set, repr=False)  # peer ranks not filled
+    drains_pending: set[int] = field(default_factory=set, repr=False)  # released: unconfirmed
+
+
+class LeasePeers(ABC):
+    """The other ranks of a tensor-parallel decode replica, as rank 0's lease table sees
+    them. Called with the engine lock held (so messages are ordered with the steps)."""
+
+    ranks: tuple[int, ...]
+
+    @abstractmethod
+    def open(self, lease: Lease) -> None:
+        """Mirror a just reserved lease on every peer rank."""
+
+    @abstractmethod
+    def close(self, lease_id: str, reason: str) -> None:
+        """Release the lease on every peer rank; each answers ``peer_drained`` once no copy
+        into its blocks is in flight."""
 
 
 class LeaseTable:
@@ -77,8 +110,10 @@ class LeaseTable:
         clock: Callable[[], float] = time.monotonic,
         on_complete: Callable[[Lease], None] | None = None,
         on_release: Callable[[Lease], None] | None = None,
+        peers: LeasePeers | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.peers = peers
         self.engine_lock = engine_lock
         self.default_timeout_s = default_timeout_s
         self.clock = clock
@@ -112,8 +147,12 @@ class LeaseTable:
                 num_tokens=num_tokens,
                 deadline=self.clock() + timeout,
             )
+            if self.peers is not None:
+                lease.peers_pending = set(self.peers.ranks)
             with self._state:
                 self._leases[lease.lease_id] = lease
+            if self.peers is not None:
+                self.peers.open(lease)
             return lease
 
     def release(self, lease_id: str, reason: str) -> bool:
@@ -127,10 +166,15 @@ class LeaseTable:
             lease.state = RELEASED
             lease.release_reason = reason
             self._remember(lease)
-            if lease.writers:
-                lease.blocks_owed = True  # the last copy in flight gives them back
+            if self.peers is not None:
+                lease.drains_pending = set(self.peers.ranks)
+            if lease.writers or lease.drains_pending:
+                lease.blocks_owed = True  # the last copy (here or on a peer) gives them back
             else:
-                self.block_manager.free(list(lease.block_ids))
+                self._give_back(lease)
+        if self.peers is not None:
+            with self.engine_lock:
+                self.peers.close(lease_id, reason)
         if self.on_release is not None:
             self.on_release(lease)
         return True
@@ -166,18 +210,61 @@ class LeaseTable:
             return ended
         raise LeaseError(f"lease {lease_id} was released ({ended.release_reason})")
 
+    def peer_filled(self, lease_id: str, rank: int) -> None:
+        """A peer rank has all of its heads of the lease (rank 0's table; from its listener)."""
+        with self._state:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return  # released meanwhile: its peers are being closed
+            lease.peers_pending.discard(rank)
+            whole = self._whole(lease)
+        if whole and self.on_complete is not None:
+            self.on_complete(lease)
+
+    def peer_drained(self, lease_id: str, rank: int) -> None:
+        """A peer rank confirmed that nothing more lands in the released lease's blocks."""
+        with self.engine_lock, self._state:
+            lease = self._ended.get(lease_id)
+            if lease is None or lease.state != RELEASED:
+                return
+            lease.drains_pending.discard(rank)
+            if self._owed_now(lease):
+                self._give_back(lease)
+
     # ---- receiver side ----------------------------------------------------------------
-    def begin(self, lease_id: str, request_id: str) -> Lease:
-        """Attach a transfer to a reserved lease (reserved → receiving). Raises LeaseError
-        (unknown/expired) or LeaseStateError (another request's, or already attached)."""
+    def begin(
+        self,
+        lease_id: str,
+        request_id: str,
+        heads: tuple[int, int] | None = None,
+        cache_heads: tuple[int, int] | None = None,
+    ) -> Lease:
+        """Attach a stream to a lease (reserved → receiving). ``heads``: the KV heads the
+        stream fills, of ``cache_heads`` (this rank's); by default all of them, in one
+        stream. Raises LeaseError (unknown/expired) or LeaseStateError (another request's,
+        complete, or those heads already taken by another stream)."""
         lease = self.get(lease_id)
         with self._state:
             if lease.request_id != request_id:
                 raise LeaseStateError(
                     f"lease {lease_id} belongs to request {lease.request_id!r}, not {request_id!r}"
                 )
-            if lease.state != RESERVED:
+            if heads is None:  # one stream fills the whole lease
+                if lease.state != RESERVED:
+                    raise LeaseStateError(f"lease {lease_id} is {lease.state}, not reserved")
+                lease.heads = heads = lease.heads or (0, 1)
+            elif lease.state not in (RESERVED, RECEIVING):
                 raise LeaseStateError(f"lease {lease_id} is {lease.state}, not reserved")
+            if lease.heads is None:
+                lease.heads = cache_heads or heads
+            wanted = set(range(*heads))
+            if not wanted <= set(range(*lease.heads)) or wanted & lease.heads_claimed:
+                taken = sorted(lease.heads_claimed)
+                raise LeaseStateError(
+                    f"lease {lease_id}: KV heads {list(heads)} are not free on this rank "
+                    f"(it holds {list(lease.heads)}, streams already fill {taken})"
+                )
+            lease.heads_claimed |= wanted
             lease.state = RECEIVING
             return lease
 
@@ -197,30 +284,64 @@ class LeaseTable:
             with self._state:
                 lease.writers -= 1
                 owed = lease.blocks_owed and lease.writers == 0
-                if owed:
-                    lease.blocks_owed = False
             if owed:
-                with self.engine_lock:
-                    self.block_manager.free(list(lease.block_ids))
+                with self.engine_lock, self._state:
+                    if self._owed_now(lease):
+                        self._give_back(lease)
 
-    def complete(self, lease: Lease, first_token: int, fork_tokens: tuple[int, ...] = ()) -> Lease:
-        """receiving → complete: the table stops owning the blocks; ``on_complete(lease)``
+    def complete(
+        self,
+        lease: Lease,
+        first_token: int | None,
+        fork_tokens: tuple[int, ...] = (),
+        heads: tuple[int, int] | None = None,
+    ) -> Lease:
+        """A stream ended whole, filling ``heads`` (default: all the lease's). Once every
+        head here (and on every peer rank) is filled and the first token has come:
+        receiving → complete, the table stops owning the blocks, and ``on_complete(lease)``
         (called without any lock held) takes them over, e.g. to start decoding."""
         with self._state:
             problem = self._receiving_problem(lease)
             if problem is None:
-                del self._leases[lease.lease_id]
-                lease.state = COMPLETE
-                lease.first_token = first_token
-                lease.fork_tokens = tuple(fork_tokens)
-                self._remember(lease)
+                lease.heads_filled |= set(range(*(heads or lease.heads)))
+                if first_token is not None:
+                    lease.first_token = first_token
+                    lease.fork_tokens = tuple(fork_tokens)
+                whole = self._whole(lease)
         if problem is not None:
             self._refuse(lease, problem)
-        if self.on_complete is not None:
+        if whole and self.on_complete is not None:
             self.on_complete(lease)
         return lease
 
+    needs_first_token = True  # a peer rank's mirror table completes without it
+
+    def _whole(self, lease: Lease) -> bool:
+        """Complete the lease if nothing is missing (state lock held); True if it did."""
+        if lease.state != RECEIVING or lease.peers_pending:
+            return False
+        if lease.heads is None or lease.heads_filled != set(range(*lease.heads)):
+            return False
+        if self.needs_first_token and lease.first_token is None:
+            return False
+        del self._leases[lease.lease_id]
+        lease.state = COMPLETE
+        self._remember(lease)
+        return True
+
     # ---- internals (the state lock held) ------------------------------------------------
+    def _owed_now(self, lease: Lease) -> bool:
+        """A released lease's blocks may go back now (no copy in flight here or on a peer);
+        True once, for the caller to give them back (engine and state locks held)."""
+        if lease.blocks_owed and not lease.writers and not lease.drains_pending:
+            lease.blocks_owed = False
+            return True
+        return False
+
+    def _give_back(self, lease: Lease) -> None:
+        """The released lease's blocks back to the pool (engine and state locks held)."""
+        self.block_manager.free(list(lease.block_ids))
+
     def _receiving_problem(self, lease: Lease) -> str | None:
         if self._leases.get(lease.lease_id) is not lease:
             return "released"

@@ -176,6 +176,11 @@ class NixlSendSide(GrpcSendSide):
         self._metadata = self.agent.metadata()
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> NixlSendStream:
+        if handle.receivers:
+            raise KVTransferError(
+                "a tensor-parallel decode replica takes KV over kv.transport 'grpc' only",
+                "FAILED_PRECONDITION",
+            )
         wire = "fp8" if self._cache.is_fp8 else "passthrough"  # pages as they are
         stream = self._open_stream(handle, request_id, num_tokens, wire, nixl_agent=self._metadata)
         return NixlSendStream(self._cache, self.pool, stream)

@@ -85,7 +85,9 @@ class KVReceiverServer:
     the same. ``token`` is required from every peer (``authorization: Bearer <token>``);
     ``tls_cert``/``tls_key`` (PEM) switch the port to TLS. ``data_channel`` offers senders
     that ask a raw TCP (TLS) data connection for the kv frames on ``data_port`` (0: any free
-    port) of the same host; the gRPC port stays the control plane.
+    port) of the same host; the gRPC port stays the control plane. ``kv_heads``: the
+    model's KV heads [start, stop) this cache holds (one rank's of a tensor-parallel
+    replica); by default all of them. Each stream fills the heads its handshake names.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class KVReceiverServer:
         data_channel: bool = False,
         data_port: int = 0,
         nixl=None,
+        kv_heads: tuple[int, int] | None = None,
     ) -> None:
         if not token:
             raise ValueError("the KV receiver needs a non-empty shared token")
@@ -127,6 +130,9 @@ class KVReceiverServer:
         self.data_port = data_port
         self._data: DataListener | None = None
         self.nixl = nixl  # NIXL transport: takes kv_ready frames (kv_transfer.nixl_transport)
+        self.kv_heads = kv_heads or (0, cache.num_kv_heads)
+        if self.kv_heads[1] - self.kv_heads[0] != cache.num_kv_heads:
+            raise ValueError(f"kv_heads {kv_heads} do not match the cache's {cache.num_kv_heads}")
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> int:
@@ -245,6 +251,7 @@ class _Transfer:
         self.used_data_channel = False
         self._ticket: str | None = None
         self.nixl = None  # NIXL: this stream's reader (kv_transfer.nixl_transport)
+        self.heads: tuple[int, int] = (0, 0)  # the model's KV heads this stream fills
 
     def release_unless_complete(self) -> None:
         if self.lease is not None and not self.completed:
@@ -272,12 +279,15 @@ class _Transfer:
             raise FrameError("the first frame of a KV stream must be the handshake")
         frames.check_version(handshake)
         leases = self.server.leases
-        self.lease = lease = leases.begin(handshake.lease_id, handshake.request_id)
+        self.heads = heads = self._stream_heads(handshake)
+        self.lease = lease = leases.begin(
+            handshake.lease_id, handshake.request_id, heads, self.server.kv_heads
+        )
         try:
             self._check_handshake(handshake, lease)
             spec = WireSpec(
                 self.cache.block_size,
-                self.cache.num_kv_heads,
+                heads[1] - heads[0],
                 self.cache.head_dim,
                 dtype_from_name(handshake.payload_dtype),
             )
@@ -286,6 +296,8 @@ class _Transfer:
                     raise HandshakeError(
                         "this receiver takes no NIXL transfers (its kv.transport is not nixl)"
                     )
+                if heads != (0, int(handshake.fingerprint["num_kv_heads"])):
+                    raise HandshakeError("NIXL transfers carry all KV heads (tp 1 replicas only)")
                 self.nixl = self.server.nixl.stream(handshake, self.cache)
             if handshake.data_channel:
                 if self.server._data is not None:
@@ -305,6 +317,18 @@ class _Transfer:
             layers_received=self.cache.num_layers,
             payload_bytes=self.payload_bytes,
         )
+
+    def _stream_heads(self, handshake: frames.Handshake) -> tuple[int, int]:
+        """The stream's KV heads, which must be some of this cache's (checked before the
+        lease is touched)."""
+        ours = self.server.kv_heads
+        heads = handshake.heads or (0, int(self.server.fingerprint["num_kv_heads"]))
+        if not ours[0] <= heads[0] < heads[1] <= ours[1]:
+            raise HandshakeError(
+                f"the stream carries KV heads {list(heads)}, but this receiver holds heads "
+                f"{list(ours)}: the sender's tensor-parallel layout does not match this one"
+            )
+        return heads
 
     def _check_handshake(self, handshake: frames.Handshake, lease: Lease) -> None:
         frames.check_compatible(
@@ -353,6 +377,8 @@ class _Transfer:
         # CUDA: copies on a side stream of their own, so they never queue behind (or hold up)
         # the engine's kernels; the end records an event the admission waits on.
         copies = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        lo = self.server.kv_heads[0]
+        heads = slice(self.heads[0] - lo, self.heads[1] - lo)  # of this cache's heads
         num_kv_frames = 0
         if self.data is not None:
             messages = _chain(
@@ -373,7 +399,9 @@ class _Transfer:
                 if copies is not None:
                     lease.ready_event = torch.cuda.Event()
                     lease.ready_event.record(copies)
-                leases.complete(lease, frame.first_token, frame.fork_tokens)
+                    if not leases.needs_first_token:  # a peer rank: its engine never waits
+                        lease.ready_event.synchronize()
+                leases.complete(lease, frame.first_token, frame.fork_tokens, self.heads)
                 self.completed = True
                 return
             if isinstance(frame, frames.Handshake):
@@ -394,7 +422,7 @@ class _Transfer:
                     *decode_chunk(frame.payload, count, spec, cache.dtype, cache.device)
                 )
                 ids = block_ids[start : start + count]
-                leases.write(lease, cache.scatter, layer, ids, blocks)
+                leases.write(lease, cache.scatter, layer, ids, blocks, heads)
             next_block[layer] += count
             num_kv_frames += 1
             self.payload_bytes += memoryview(frame.payload).nbytes

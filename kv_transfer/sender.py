@@ -115,10 +115,12 @@ class KVSender:
         wire_dtype: str,
         cache_dtype: torch.dtype,
         nixl_agent: bytes = b"",
+        heads: tuple[int, int] | None = None,
     ) -> TransferStream:
         """Start the RPC and send the handshake. ``wire_dtype``: "passthrough" or "fp8";
         ``cache_dtype``: the dtype of the blocks ``send_layer`` will get. ``nixl_agent``: the
-        NIXL transport's agent metadata (its blocks then go as ``send_encoded`` frames)."""
+        NIXL transport's agent metadata (its blocks then go as ``send_encoded`` frames).
+        ``heads``: the model's KV heads the blocks hold (default: all)."""
         payload_dtype = payload_dtype_for(wire_dtype, cache_dtype)
         handshake = frames.Handshake(
             request_id=request_id,
@@ -130,10 +132,12 @@ class KVSender:
             payload_dtype=dtype_name(payload_dtype),
             data_channel=self.data_channel and not nixl_agent,
             nixl_agent=nixl_agent,
+            heads=heads,
         )
+        start, stop = handshake.head_range()
         spec = WireSpec(
             block_size,
-            int(fingerprint["num_kv_heads"]),
+            stop - start,
             int(fingerprint["head_dim"]),
             payload_dtype,
         )
@@ -248,9 +252,10 @@ class TransferStream:
         self.payload_bytes += nbytes
         self._num_kv_frames += 1
 
-    def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
-        """Send the final frame (the first token, and the forks' first tokens) and wait for
-        the receiver's answer. Raises KVTransferError with the receiver's status code and
+    def finish(self, first_token: int | None, fork_tokens: Sequence[int] = ()) -> TransferResult:
+        """Send the final frame (the first token, and the forks' first tokens; None on a
+        sharded transfer's streams that do not carry them) and wait for the receiver's
+        answer. Raises KVTransferError with the receiver's status code and
         message if it refused the transfer."""
         self._put((_CONTROL, frames.encode_end(first_token, self._num_kv_frames, fork_tokens)))
         self._end_iterator()
