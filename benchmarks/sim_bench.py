@@ -337,6 +337,32 @@ def opt13b() -> int:
     return 0
 
 
+def llama70b() -> int:
+    """Llama-3-70B on H100s (fp8 KV), 2,048-token prompts / 256-token answers, TTFT 1 s and
+    TPOT 50 ms at p90: every pool at tp 8, then each pool's tp searched among the degrees
+    whose weights fit (2, 4, 8)."""
+    cost = CostModel(hardware("H100"), ModelShape.load("llama3-70b"), tp=8, kv_cache_bytes=1)
+    uniform = PlanSpec(
+        cost,
+        SLOConfig(ttft_ms=1000, tpot_ms=50, percentile=90),
+        "lognormal:2048:0.6",
+        "lognormal:256:0.8",
+    )
+    searched = replace(uniform, tp_choices=tp_options(cost, cost.hardware.gpus_per_node))
+    print(f"degrees whose weights fit: {searched.tp_choices}")
+    for (label, spec), rate in itertools.product(
+        (("tp 8", uniform), ("tp per pool", searched)), (5.0, 20.0, 50.0)
+    ):
+        disagg, coloc = plan(spec, rate)
+        print(f"{label}, {rate:g} req/s:")
+        print(f"  disaggregated: {disagg.describe()}")
+        print(f"  colocated:     {coloc.describe()}")
+        print(
+            f"  goodput/GPU disaggregated ÷ colocated: {disagg.goodput_per_gpu / coloc.goodput_per_gpu:.2f}x"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -357,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("trim-serve")
     t.add_argument("--serve-json", required=True)
     t.add_argument("--out", required=True)
-    for name in ("scale", "burst", "opt13b"):
+    for name in ("scale", "burst", "opt13b", "llama70b"):
         sub.add_parser(name)
     args = parser.parse_args(argv)
     if args.cmd == "measure-cpu":
@@ -368,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_serve(args.serve_json, args.probe, args.calibration, args.out)
     if args.cmd == "trim-serve":
         return trim_serve(args.serve_json, args.out)
-    return {"scale": scale, "burst": burst, "opt13b": opt13b}[args.cmd]()
+    scenarios = {"scale": scale, "burst": burst, "opt13b": opt13b, "llama70b": llama70b}
+    return scenarios[args.cmd]()
 
 
 if __name__ == "__main__":

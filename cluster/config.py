@@ -146,12 +146,11 @@ class ClusterConfig:
 
     def _check_tensor_parallel(self, pool: Pool) -> None:
         tp = self.engine_config(pool).tensor_parallel_size
-        if tp > 1 and self.mode == "disaggregated":
+        if tp > 1 and self.mode == "disaggregated" and self.kv.transport == "nixl":
             raise ConfigError(
-                f"pools.{pool}: tensor_parallel_size {tp} — disaggregated pools run at tp 1 "
-                "for now: moving KV between sharded replicas (each rank sending its own KV "
-                "heads) is not built yet. Tensor parallelism serves in mode: colocated, and "
-                "offline (pdcluster generate --tensor-parallel-size)"
+                f"pools.{pool}: tensor_parallel_size {tp} with kv.transport 'nixl' — the NIXL "
+                "transport moves the KV of tp 1 replicas only; sharded replicas send each "
+                "rank's KV heads over 'grpc' (or 'auto', which picks it for them)"
             )
         gpus = getattr(self, pool).num_gpus
         if tp > 1 and gpus and gpus != tp:

@@ -31,6 +31,7 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine.errors import EngineError
 from engine.load import EngineLoad
+from kv_transfer.sharding import KVLayout, layout_problem
 from prefill_worker.worker import PrefillWorker
 from router.actor import RouterActor
 from workers.pool import Pool
@@ -95,6 +96,7 @@ class Controller:
         self.capacity: dict | None = None
         self._loop_task: asyncio.Task | None = None
         self._busy = asyncio.Lock()  # one scaling/replacement action at a time
+        self.layouts: dict[Pool, KVLayout] = {}  # each pool's KV layout, from its first replica
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -161,11 +163,28 @@ class Controller:
 
     async def _wait_ready(self, record: ReplicaRecord) -> None:
         try:
-            await record.handle.info.remote()  # returns once the model is loaded
+            info = await record.handle.info.remote()  # returns once the model is loaded
         except ray.exceptions.RayActorError as err:
             raise ClusterStartError(f"{record.name} could not start: {root_cause(err)}") from None
+        problem = self._layout_problem(record.pool, KVLayout.from_info(info))
+        if problem is not None:  # refused now, not at its first request
+            await self._stop_actor(record)
+            raise ClusterStartError(problem)
         record.state = "ready"
         record.ready_at = time.monotonic()
+
+    def _layout_problem(self, pool: Pool, layout: KVLayout) -> str | None:
+        """Why a replica of ``pool`` with ``layout`` cannot exchange KV with the other pool
+        (the first replica registered there stands for it); None if it can."""
+        self.layouts[pool] = self.layouts.get(pool, layout)
+        if pool not in (Pool.PREFILL, Pool.DECODE):
+            return None
+        other = self.layouts.get(Pool.DECODE if pool == Pool.PREFILL else Pool.PREFILL)
+        if other is None:
+            return None
+        prefill, decode = (layout, other) if pool == Pool.PREFILL else (other, layout)
+        kv = self.config.kv
+        return layout_problem(prefill, decode, wire_dtype=kv.wire_dtype, transport=kv.transport)
 
     def _next_index(self, pool: Pool) -> int:
         used = {int(name.rsplit("-", 1)[1]) for name, r in self.replicas.items() if r.pool == pool}

@@ -12,6 +12,10 @@ Request life on this worker:
 4. Finish, ``cancel`` (client gone) or a released lease (prefill died, transfer stalled past
    its deadline or refused: ``_released``) frees every block and ends the stream with a
    reason.
+
+Tensor parallel (tp t): every rank receives its own KV heads into its own cache; this worker,
+rank 0, owns the blocks, and mirrors each lease on the other ranks (kv_transfer.lease_mirror).
+A request is admitted once every rank has its heads.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import StepResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Fork
+from engine.tp_worker import FromRank, RankServiceFactory
 from kv_transfer.connector import transport
 from kv_transfer.errors import NoCapacityError
+from kv_transfer.grpc_transport import GrpcRecvSide
 from kv_transfer.lease import Lease, LeaseTable
+from kv_transfer.lease_mirror import RankLeases
+from kv_transfer.rank_services import DecodeRanks
 from workers.base import WorkerBase
 from workers.messages import DecodeCounters, Reservation, TokenBatch, WorkerStats
 
@@ -94,16 +102,32 @@ class DecodeWorker(EngineWorker):
         kv = self.options.kv
         self.pending: dict[str, PendingRequest] = {}  # by its request id (its lease's)
         self._member_of: dict[str, str] = {}  # a pending fork → its request id
+        engine, tp = self.engine, self.tensor_parallel_size
+        peers = RankLeases(tuple(range(1, tp)), engine.send_to_ranks) if tp > 1 else None
         self.leases = LeaseTable(
-            self.engine.block_manager,
+            engine.block_manager,
             self.loop.lock,
             kv.lease_timeout_s,
             on_complete=self._arrive,
             on_release=self._released,
+            peers=peers,
         )
-        self.kv = transport(kv.transport).recv_side(self.engine.model_config.fingerprint(), kv)
-        self.kv.start(self.engine.cache, self.leases)
+        fingerprint = engine.model_config.fingerprint()
+        if tp > 1:  # each rank receives its own heads, over gRPC
+            heads = engine.layout.kv_heads_by_rank()[0]
+            self.kv = GrpcRecvSide(fingerprint, kv, heads, tuple(engine.rank_infos))
+            engine.listen_to_ranks(self._from_rank)
+        else:
+            self.kv = transport(kv.transport).recv_side(fingerprint, kv)
+        self.kv.start(engine.cache, self.leases)
         self.loop.start()
+
+    def rank_service(self) -> RankServiceFactory | None:
+        return DecodeRanks(self.options.kv) if self.tensor_parallel_size > 1 else None
+
+    def _from_rank(self, message: FromRank) -> None:
+        """A rank's word on a lease (on the engine's listener thread)."""
+        RankLeases.deliver(self.leases, message.rank, message.payload)
 
     def reserve(
         self,

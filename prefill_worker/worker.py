@@ -8,6 +8,11 @@ and so does each of its forks (OpenAI's ``n``: one prefill, one transfer, n firs
 While a chunk of a prompt runs, every finished layer's newly complete blocks (the first
 chunk also ships the cached prefix; the last, the partial tail block) are handed to the KV
 sender, which ships them while later layers and later chunks compute.
+
+Tensor parallel (tp t): every rank holds some of the KV heads and sends them itself, to the
+decode rank(s) that hold them (kv_transfer.rank_services); this worker, rank 0, tells the
+other ranks which blocks each step ships, and a prefill succeeds only once every rank's
+streams were accepted.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import EngineError
-from engine.llm_engine import StepResult
+from engine.llm_engine import LayerCallbacks, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Fork, TokenLogprobs
+from engine.tp_group import TensorParallelError
+from engine.tp_worker import FromRank, RankServiceFactory
 from kv_transfer.connector import KVSendStream, transport
+from kv_transfer.grpc_transport import GrpcSendSide
+from kv_transfer.rank_services import AbortTransfer, OpenTransfer, PrefillRanks, Shipment
 from workers.base import WorkerBase
 from workers.messages import (
     FirstToken,
@@ -58,6 +67,9 @@ class PrefillJob:
     started: float = field(default_factory=time.monotonic)
     scheduled: float | None = None  # its first chunk's step began
     computed: float | None = None  # its first token was sampled
+    # Tensor parallel: the other ranks' TransferOutcomes, and when all of them are in.
+    rank_outcomes: dict = field(default_factory=dict)
+    ranks_done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.members)
@@ -69,6 +81,7 @@ class PrefillWorker(WorkerBase):
         self.completed = 0
         self.failed = 0
         self.transfer_seconds = 0.0
+        self.transfers: dict[str, PrefillJob] = {}  # tensor parallel: by request id
         super().__init__(
             options,
             name,
@@ -76,10 +89,18 @@ class PrefillWorker(WorkerBase):
             on_error=self._fail_all,
             layer_hook=self._layer_hook,
         )
-        kv = self.options.kv
-        fingerprint = self.engine.model_config.fingerprint()
-        self.kv = transport(kv.transport).send_side(self.engine.cache, fingerprint, kv)
+        kv, engine = self.options.kv, self.engine
+        fingerprint = engine.model_config.fingerprint()
+        if self.tensor_parallel_size > 1:  # each rank sends its own heads, over gRPC
+            heads = engine.layout.kv_heads_by_rank()
+            self.kv = GrpcSendSide(engine.cache, fingerprint, kv, 0, heads)
+            engine.listen_to_ranks(self._from_rank)
+        else:
+            self.kv = transport(kv.transport).send_side(engine.cache, fingerprint, kv)
         self.loop.start()
+
+    def rank_service(self) -> RankServiceFactory | None:
+        return PrefillRanks(self.options.kv) if self.tensor_parallel_size > 1 else None
 
     # ---- Ray-facing API ---------------------------------------------------------------
     def prefill(
@@ -115,7 +136,20 @@ class PrefillWorker(WorkerBase):
                 raise PrefillError(f"{self.name}: {err}") from None
             for member in members:
                 self.jobs[member] = job
+            if self.tensor_parallel_size > 1:
+                self.transfers[request_id] = job
+                engine.send_to_ranks(
+                    OpenTransfer(request_id, reservation.kv, len(prompt_token_ids))
+                )
         self.loop.wake()
+        try:
+            return self._await(job, seq, timeout_s)
+        finally:
+            self.transfers.pop(request_id, None)
+
+    def _await(self, job: PrefillJob, seq, timeout_s: float) -> PrefillResult:
+        """Wait for the prefill, then for its transfer (every rank's); its result."""
+        request_id, members, stream = job.request_id, job.members, job.stream
         if not job.done.wait(timeout_s):
             self.cancel(request_id)
             raise PrefillError(
@@ -124,6 +158,8 @@ class PrefillWorker(WorkerBase):
         if job.error is not None:
             self.failed += 1
             stream.abort(job.error)
+            with self.loop.lock:
+                self._abort_ranks(request_id, job.error)
             raise PrefillError(job.error)
         transfer_start = time.monotonic()
         try:
@@ -131,6 +167,7 @@ class PrefillWorker(WorkerBase):
                 job.first_tokens[request_id].token_id,
                 [job.first_tokens[m].token_id for m in members[1:]],
             )
+            rank_bytes = self._await_ranks(job)
         except Exception as err:  # the receiver's status, or a broken channel
             self.failed += 1
             raise PrefillError(f"{self.name}: KV transfer of {request_id} failed: {err}") from None
@@ -149,10 +186,45 @@ class PrefillWorker(WorkerBase):
                 compute_s=computed - scheduled,
                 transfer_finish_s=finished - computed,
             ),
-            transfer_bytes=transfer.payload_bytes,
+            transfer_bytes=transfer.payload_bytes + rank_bytes,
             transfer_seconds=transfer.seconds,
             transport=stream.transport,
         )
+
+    def _await_ranks(self, job: PrefillJob) -> int:
+        """Tensor parallel: wait until every other rank's streams were accepted; the bytes
+        they sent. Raises PrefillError with the first rank's failure."""
+        if self.tensor_parallel_size == 1:
+            return 0
+        if not job.ranks_done.wait(self.options.kv.lease_timeout_s + 5.0):
+            raise PrefillError("the other tensor-parallel ranks never finished their streams")
+        errors = [o.error for o in job.rank_outcomes.values() if o.error is not None]
+        if errors:
+            raise PrefillError(errors[0])
+        return sum(o.payload_bytes for o in job.rank_outcomes.values())
+
+    def _from_rank(self, message: FromRank) -> None:
+        """A rank's TransferOutcome (on the engine's listener thread)."""
+        outcome = message.payload
+        job = self.transfers.get(outcome.request_id)
+        if job is None:
+            return  # over already (failed, cancelled)
+        job.rank_outcomes.setdefault(message.rank, outcome)
+        if outcome.error is not None:  # fail it now: the other ranks' streams stop
+            job.error = job.error or f"{self.name}: KV transfer of {job.request_id} failed: " + (
+                outcome.error
+            )
+        if len(job.rank_outcomes) == self.tensor_parallel_size - 1:
+            job.ranks_done.set()
+
+    def _abort_ranks(self, request_id: str, reason: str) -> None:
+        """Tensor parallel: end the request's streams on every other rank (lock held)."""
+        if self.tensor_parallel_size == 1:
+            return
+        try:
+            self.engine.send_to_ranks(AbortTransfer(request_id, reason))
+        except TensorParallelError:
+            pass  # a rank is gone: the replica ends anyway
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a prefill (the whole of it: the request and its forks)."""
@@ -163,6 +235,7 @@ class PrefillWorker(WorkerBase):
             for member in reversed(job.members):  # forks first: nothing is handed on
                 self.jobs.pop(member, None)
                 self.engine.abort(member)
+            self._abort_ranks(request_id, "cancelled")
         job.stream.abort("cancelled")
         job.error = f"{self.name}: {request_id} was cancelled"
         job.done.set()
@@ -185,6 +258,7 @@ class PrefillWorker(WorkerBase):
         """For every prompt in this batch: ship each layer's newly complete blocks as soon as
         the layer is done (a chunk's full blocks; at the last chunk, the rest)."""
         shipping = []
+        finishes = []
         block_size = self.engine.cache.block_size
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             job = self.jobs.get(seq.request_id)
@@ -200,6 +274,8 @@ class PrefillWorker(WorkerBase):
                 blocks = torch.tensor(table, dtype=torch.int64, device=self.engine.device)
                 shipping.append((job, blocks, job.blocks_sent))
                 job.blocks_sent = upto
+            if end == seq.num_tokens:
+                finishes.append(job.request_id)
         if not shipping:
             return None
 
@@ -212,7 +288,12 @@ class PrefillWorker(WorkerBase):
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"
 
-        return layer_done
+        if self.tensor_parallel_size == 1:
+            return layer_done
+        ships = tuple(
+            (job.request_id, tuple(blocks.tolist()), first) for job, blocks, first in shipping
+        )
+        return LayerCallbacks(layer_done, Shipment(ships, tuple(finishes)))
 
     def _on_result(self, result: StepResult) -> None:
         for request_id, token, lp in result.new_tokens:
@@ -239,5 +320,6 @@ class PrefillWorker(WorkerBase):
             job = self.jobs.pop(request_id, None)
             if job is not None:
                 job.stream.abort(str(err))
+                self._abort_ranks(job.request_id, str(err))
                 job.error = f"{self.name}: prefill step failed: {err}"
                 job.done.set()

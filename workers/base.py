@@ -17,6 +17,7 @@ import torch
 
 from engine.llm_engine import LLMEngine, StepResult
 from engine.tp_group import TensorParallelError
+from engine.tp_worker import RankServiceFactory
 from workers.messages import WorkerStats
 from workers.options import WorkerOptions
 from workers.serving_loop import LayerHook, ServingLoop
@@ -39,7 +40,12 @@ class WorkerBase:
         if self.options.torch_threads:
             torch.set_num_threads(self.options.torch_threads)
         self.name = name
-        self.engine = LLMEngine(self.options.model, self.options.engine, progress=False)
+        self.engine = LLMEngine(
+            self.options.model,
+            self.options.engine,
+            progress=False,
+            rank_service=self.rank_service(),
+        )
         self._on_step_error = on_error
         self.loop = ServingLoop(
             self.engine,
@@ -50,6 +56,14 @@ class WorkerBase:
             name=name,
         )
         self.started_at = time.time()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.options.engine.tensor_parallel_size
+
+    def rank_service(self) -> RankServiceFactory | None:
+        """What the engine's ranks 1..t-1 run beside the model (a subclass's KV side)."""
+        return None
 
     def _step_failed(self, err: Exception) -> None:
         """A failed step ends its requests; a lost tensor-parallel rank ends the replica: its

@@ -73,8 +73,12 @@ def test_serve_tensor_parallel_flags():
     parse = build_parser().parse_args
     config = serve_config(parse(["serve", "--mode", "colocated", "--tensor-parallel-size", "2"]))
     assert config.engine_config(Pool.COLOCATED).tensor_parallel_size == 2
-    for flag in ("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"):
-        with pytest.raises(ConfigError, match="disaggregated pools run at tp 1"):
-            serve_config(parse(["serve", flag, "2"]))
+    config = serve_config(parse(["serve", "--prefill-tensor-parallel-size", "2"]))
+    assert config.engine_config(Pool.PREFILL).tensor_parallel_size == 2
+    assert config.engine_config(Pool.DECODE).tensor_parallel_size == 1
+    config = serve_config(parse(["serve", "--decode-tensor-parallel-size", "3"]))
+    assert config.engine_config(Pool.DECODE).tensor_parallel_size == 3
+    with pytest.raises(ConfigError, match="moves the KV of tp 1 replicas only"):
+        serve_config(parse(["serve", "--kv-transport", "nixl", "--tensor-parallel-size", "2"]))
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
         serve_config(parse(["serve", "--mode", "colocated", "--tensor-parallel-size", "0"]))

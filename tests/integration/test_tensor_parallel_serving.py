@@ -1,7 +1,7 @@
 """Tensor parallelism through the cluster (colocated replicas of tp 2, CPU, shared memory
 between the ranks): the offline engine's greedy tokens; a rank killed mid-stream ends its
 replica, the stream finishes on the other one without gaps, and the replica is replaced;
-disaggregated pools refuse tp > 1 at start-up with the reason."""
+configs that cannot run are refused at start-up with the reason."""
 
 from __future__ import annotations
 
@@ -101,11 +101,12 @@ def test_a_killed_rank_ends_its_replica_and_the_stream_moves_on(cluster):
     assert all(info["tensor_parallel"]["size"] == 2 for info in replaced.values())
 
 
-def test_disaggregated_pools_refuse_tp_above_one():
-    with pytest.raises(ConfigError, match="disaggregated pools run at tp 1") as refused:
+def test_configs_that_cannot_run_are_refused():
+    with pytest.raises(ConfigError, match="moves the KV of tp 1 replicas only") as refused:
         ClusterConfig.from_dict(
-            {"model": "tiny", "pools": {"decode": {"engine": {"tensor_parallel_size": 2}}}}
-        )
+            {"model": "tiny", "kv": {"transport": "nixl"},
+             "pools": {"decode": {"engine": {"tensor_parallel_size": 2}}}}
+        )  # fmt: skip
     assert "pools.decode" in str(refused.value)
     with pytest.raises(ConfigError, match="takes 2 GPUs"):
         ClusterConfig.from_dict(
