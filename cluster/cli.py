@@ -148,7 +148,7 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
-        help="ranks per replica in every pool (heads and MLP split; colocated mode for now)",
+        help="ranks per replica in every pool (heads and MLP split)",
     )
     p.add_argument("--prefill-tensor-parallel-size", type=int, help="the prefill pool's ranks")
     p.add_argument("--decode-tensor-parallel-size", type=int, help="the decode pool's ranks")
