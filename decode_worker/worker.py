@@ -116,7 +116,6 @@ class DecodeWorker(EngineWorker):
         if tp > 1:  # each rank receives its own heads, over gRPC
             heads = engine.layout.kv_heads_by_rank()[0]
             self.kv = GrpcRecvSide(fingerprint, kv, heads, tuple(engine.rank_infos))
-            engine.listen_to_ranks(self._from_rank)
         else:
             self.kv = transport(kv.transport).recv_side(fingerprint, kv)
         self.kv.start(engine.cache, self.leases)

@@ -220,14 +220,18 @@ class LLMEngine:
         caller holds the engine's lock). Raises TensorParallelError if a rank is gone."""
         self.tp.send(ToRank(payload))
 
-    def listen_to_ranks(self, deliver: Callable[[Any], None]) -> None:
-        """Deliver every ``FromRank`` message of the ranks' services (on listener threads)."""
-        self.tp.listen(deliver)
+    def listen_to_ranks(
+        self, deliver: Callable[[Any], None], on_lost: Callable[[int], None]
+    ) -> None:
+        """Deliver every ``FromRank`` message of the ranks' services (on listener threads);
+        ``on_lost(rank)`` when a rank's process goes away while the engine is not closing."""
+        self.tp.listen(deliver, on_lost)
 
     def close(self, force: bool = False) -> None:
         """End the tensor-parallel ranks (a no-op at tp 1); ``force``: kill them at once (a
         rank is lost and the rest may be waiting for it). The engine is unusable after."""
         finalizer = getattr(self, "_finalizer", None)
+        self.tp.stopping = True
         if force:
             for process in self._tp_processes:
                 process.kill()

@@ -80,6 +80,7 @@ class TPGroup:
         self._listener = listener
         self._store = store  # the driver hosts the store the process group met through
         self._shm = shm
+        self.stopping = False  # set before the workers are told to stop (their EOF is no loss)
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -187,16 +188,20 @@ class TPGroup:
         """Worker only: a message to the driver."""
         self._driver.send(message)
 
-    def listen(self, deliver: Callable[[Any], None]) -> None:
+    def listen(self, deliver: Callable[[Any], None], on_lost: Callable[[int], None]) -> None:
         """Driver only, once the workers are ready: hand every later message from a worker
-        to ``deliver`` (on one daemon thread per worker) until it goes away."""
+        to ``deliver`` (on one daemon thread per worker) until it goes away; a worker gone
+        while the group is not ``stopping`` is ``on_lost(rank)`` (an idle engine would
+        otherwise learn of it only at its next step)."""
 
         def read(rank: int, conn: Connection) -> None:
             while True:
                 try:
                     message = conn.recv()
                 except (OSError, EOFError):
-                    return  # gone: the engine's next collective reports it
+                    if not self.stopping:
+                        on_lost(rank)
+                    return
                 try:
                     deliver(message)
                 except Exception:  # one bad message must not deafen the driver

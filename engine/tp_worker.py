@@ -151,6 +151,7 @@ def wait_ready(tp: TPGroup, processes: list[multiprocessing.Process]) -> list[An
 
 def stop_workers(tp: TPGroup, processes: list[multiprocessing.Process]) -> None:
     """Driver: end every worker (gently, then by force after a few seconds)."""
+    tp.stopping = True
     try:
         tp.send(Stop())
     except TensorParallelError:

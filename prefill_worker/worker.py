@@ -94,7 +94,6 @@ class PrefillWorker(WorkerBase):
         if self.tensor_parallel_size > 1:  # each rank sends its own heads, over gRPC
             heads = engine.layout.kv_heads_by_rank()
             self.kv = GrpcSendSide(engine.cache, fingerprint, kv, 0, heads)
-            engine.listen_to_ranks(self._from_rank)
         else:
             self.kv = transport(kv.transport).send_side(engine.cache, fingerprint, kv)
         self.loop.start()

@@ -17,7 +17,7 @@ import torch
 
 from engine.llm_engine import LLMEngine, StepResult
 from engine.tp_group import TensorParallelError
-from engine.tp_worker import RankServiceFactory
+from engine.tp_worker import FromRank, RankServiceFactory
 from workers.messages import WorkerStats
 from workers.options import WorkerOptions
 from workers.serving_loop import LayerHook, ServingLoop
@@ -56,6 +56,8 @@ class WorkerBase:
             name=name,
         )
         self.started_at = time.time()
+        if self.tensor_parallel_size > 1:
+            self.engine.listen_to_ranks(self._from_rank, self._rank_lost)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -64,6 +66,15 @@ class WorkerBase:
     def rank_service(self) -> RankServiceFactory | None:
         """What the engine's ranks 1..t-1 run beside the model (a subclass's KV side)."""
         return None
+
+    def _from_rank(self, message: FromRank) -> None:
+        """A message of a rank's service (on the engine's listener thread)."""
+        logger.warning("%s: unexpected message from rank %d: %r", self.name, message.rank, message)
+
+    def _rank_lost(self, rank: int) -> None:
+        """A rank's process went away (on the listener thread): end the replica at once,
+        as a failed step would, rather than when its next step or message finds it out."""
+        self._step_failed(TensorParallelError(f"tensor-parallel rank {rank} exited"))
 
     def _step_failed(self, err: Exception) -> None:
         """A failed step ends its requests; a lost tensor-parallel rank ends the replica: its

@@ -71,8 +71,30 @@ def test_prefill_tp2_into_decode_tp1(ray_session, expected):
         for prompt in PROMPTS:
             assert complete(cluster.urls["http"], prompt, 12) == expected[prompt], prompt
         assert_all_blocks_free(cluster)
+        # A rank lost while its replica is idle ends the replica too (not at its next step).
+        os.kill(infos["prefill-0"]["tensor_parallel"]["rank_pids"][1], signal.SIGKILL)
+        replaced = wait_replaced(cluster, "prefill", infos["prefill-0"], count=1)
+        assert all(info["tensor_parallel"]["size"] == 2 for info in replaced.values())
+        assert complete(cluster.urls["http"], PROMPTS[0], 12) == expected[PROMPTS[0]]
     finally:
         stop_cluster(cluster)
+
+
+def wait_replaced(cluster, pool: str, old_info: dict, count: int) -> dict:
+    """The pool's replicas' info once ``count`` answer and none is the old actor's process."""
+    old_pid = old_info["tensor_parallel"]["rank_pids"][0]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        handles = {n: h for n, h in cluster.workers().items() if n.startswith(pool)}
+        try:
+            now = {n: ray.get(h.info.remote(), timeout=10) for n, h in handles.items()}
+        except ray.exceptions.RayActorError:
+            now = {}
+        pids = [info["tensor_parallel"]["rank_pids"][0] for info in now.values()]
+        if len(now) == count and old_pid not in pids:
+            return now
+        time.sleep(0.2)
+    raise AssertionError(f"the {pool} replica was not replaced")
 
 
 def test_layouts_that_cannot_meet_are_refused_at_start_up(ray_session):
@@ -113,20 +135,7 @@ def test_a_killed_decode_rank_moves_its_stream_and_the_replica_is_replaced(into_
 
     tokens, victim = stream_and_kill(cluster.urls["http"], prompt, 200, kill_a_serving_rank)
     assert tokens == expected_tokens
-    old_pid = infos[victim]["tensor_parallel"]["rank_pids"][0]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        decode = {n: h for n, h in cluster.workers().items() if n.startswith("decode")}
-        try:
-            now = {n: ray.get(h.info.remote(), timeout=10) for n, h in decode.items()}
-        except ray.exceptions.RayActorError:
-            now = {}
-        pids = [info["tensor_parallel"]["rank_pids"][0] for info in now.values()]
-        if len(now) == 2 and old_pid not in pids:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("the decode replica was not replaced")
+    now = wait_replaced(cluster, "decode", infos[victim], count=2)
     assert all(info["tensor_parallel"]["size"] == 2 for info in now.values())
     assert complete(cluster.urls["http"], PROMPTS[0], 12) == greedy(PROMPTS[0], 12)
     assert_all_blocks_free(cluster)
