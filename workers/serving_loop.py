@@ -2,7 +2,8 @@
 
 Other threads (Ray actor calls, the KV receiver) change the engine only while holding
 ``lock``; the loop holds it for each step and lets waiting callers in between steps.
-``wake()`` tells an idle loop there is work. ``intake``, if given, runs on the loop thread
+``wake()`` tells an idle loop there is work; it never waits for a step (the KV receiver
+calls it when a transfer completes, and its reply to the sender must not wait for decode). ``intake``, if given, runs on the loop thread
 with the lock held before every step: work handed over by threads that must not wait for a
 step themselves (the KV receiver's arrived requests).
 Every step's result goes to ``on_result`` (called on the loop thread, with the lock held).
@@ -72,7 +73,7 @@ class ServingLoop:
         self._on_error = on_error
         self._layer_hook = layer_hook
         self._intake = intake
-        self._work = threading.Condition(self.lock.rlock)
+        self._wakeup = threading.Event()  # set by wake(): work may be waiting
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
@@ -84,35 +85,38 @@ class ServingLoop:
     def stop(self, timeout_s: float = 5.0) -> None:
         with self.lock:
             self._stopped = True
-            self._work.notify_all()
+            self._wakeup.set()
         self._thread.join(timeout_s)
 
     def wake(self) -> None:
-        with self.lock:
-            self._work.notify_all()
+        self._wakeup.set()
 
     def _run(self) -> None:
         while True:
             with self.lock.rlock:  # the loop's own hold is not counted as waiting
-                while not self._stopped:
-                    if self._intake is not None:
-                        self._intake()
-                    if self.engine.has_unfinished():
-                        break
-                    self._work.wait(timeout=1.0)
                 if self._stopped:
                     return
-                try:
-                    started = time.perf_counter()
-                    result = self.engine.step(self._layer_hook)
-                    self.busy_s += time.perf_counter() - started
-                    self.steps += 1
-                    self._on_result(result)
-                except Exception as err:  # noqa: BLE001 - reported, and the loop goes on
-                    logger.exception("engine step failed")
-                    if self._on_error is None:
-                        raise
-                    self._on_error(err)
+                if self._intake is not None:
+                    self._intake()
+                busy = self.engine.has_unfinished()
+                if busy:
+                    try:
+                        started = time.perf_counter()
+                        result = self.engine.step(self._layer_hook)
+                        self.busy_s += time.perf_counter() - started
+                        self.steps += 1
+                        self._on_result(result)
+                    except Exception as err:  # noqa: BLE001 - reported, and the loop goes on
+                        logger.exception("engine step failed")
+                        if self._on_error is None:
+                            raise
+                        self._on_error(err)
+            if not busy:
+                # Work is handed over before its wake-up, so a wake-up after the check above
+                # ends this wait at once; clearing after it drops only wake-ups seen already.
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
             # Between steps, callers waiting for the lock go first.
             while self.lock.waiting:
                 time.sleep(0.0001)
