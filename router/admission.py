@@ -109,9 +109,11 @@ class DecodeSlotLimit:
     - ``m < GROW_BELOW·t`` while the limit binds (``in_flight >= limit - 1``): grow by a
       quarter (at least 1), at most ``max_limit``.
     - in between, the replica is near its TPOT budget: the limit holds, and one far above
-      what is in flight (the unlimited start) comes down to ``in_flight + 1``. Load then
-      stops climbing here rather than past the target, where the cut would leave requests
-      already waiting for a slot stranded behind the excess.
+      what is in flight (the unlimited start) comes down to ``in_flight + 1``, never below
+      the free batch (at light load, steps at one or two requests cost what they cost:
+      holding a replica to them would only refuse). Load then stops climbing here rather
+      than past the target, where the cut would leave requests already waiting for a slot
+      stranded behind the excess.
     """
 
     def __init__(
@@ -176,8 +178,8 @@ class DecodeSlotLimit:
             if in_flight >= self.limit - 1:
                 self.limit = min(self.max_limit, self.limit + max(1, self.limit // 4))
                 self.grows += 1
-        elif self.limit > in_flight + 1:
-            self.limit = in_flight + 1
+        elif self.limit > max(in_flight + 1, floor):
+            self.limit = max(in_flight + 1, floor)
 
 
 class RateMeter:

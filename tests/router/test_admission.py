@@ -98,6 +98,18 @@ def test_slot_limit_near_the_tpot_budget_stops_the_load_climbing():
     assert limit.limit == 38
 
 
+def test_slot_limit_near_the_budget_at_light_load_holds_the_free_batch():
+    """One request in flight, its steps near the budget (a colocated replica's prefills
+    between them): held at the free batch, not at 1 + 1, so a second arrival is not
+    made to wait for the first to finish."""
+    limit = DecodeSlotLimit(0.200)
+    feed(limit, 1.0, 0.130)  # between GROW_BELOW and HEADROOM x target
+    limit.update(1.0, in_flight=0, floor=3)
+    assert limit.limit == 3 and limit.cuts == 0
+    limit.update(1.0, in_flight=5, floor=3)
+    assert limit.limit == 3  # holds: it comes down, never up, in this band
+
+
 def test_slot_limit_waits_for_a_cut_to_take_effect_before_cutting_again():
     limit = DecodeSlotLimit(0.050, max_limit=1024)
     feed(limit, 1.0, 0.100)
