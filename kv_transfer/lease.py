@@ -102,6 +102,8 @@ class LeasePeers(ABC):
 class LeaseTable:
     """The decode worker's leases. Owns the reserved blocks until complete or released."""
 
+    needs_first_token = True  # a peer rank's mirror table completes without it
+
     def __init__(
         self,
         block_manager,
@@ -313,8 +315,6 @@ class LeaseTable:
         if whole and self.on_complete is not None:
             self.on_complete(lease)
         return lease
-
-    needs_first_token = True  # a peer rank's mirror table completes without it
 
     def _whole(self, lease: Lease) -> bool:
         """Complete the lease if nothing is missing (state lock held); True if it did."""
