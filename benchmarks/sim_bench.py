@@ -324,9 +324,13 @@ def opt13b() -> int:
         "lognormal:200:0.8",
     )
     searched = replace(base, tp_choices=tp_options(cost, cost.hardware.gpus_per_node))
-    for (label, spec), rate in itertools.product(
-        (("tp 1", base), ("tp per pool", searched)), (5.0, 10.0, 20.0)
-    ):
+    return compare_plans((("tp 1", base), ("tp per pool", searched)), (5.0, 10.0, 20.0))
+
+
+def compare_plans(specs, rates) -> int:
+    """For each (label, spec) and rate: the disaggregated and colocated plans, and their
+    goodput per GPU as a ratio."""
+    for (label, spec), rate in itertools.product(specs, rates):
         disagg, coloc = plan(spec, rate)
         print(f"{label}, {rate:g} req/s:")
         print(f"  disaggregated: {disagg.describe()}")
@@ -350,17 +354,7 @@ def llama70b() -> int:
     )
     searched = replace(uniform, tp_choices=tp_options(cost, cost.hardware.gpus_per_node))
     print(f"degrees whose weights fit: {searched.tp_choices}")
-    for (label, spec), rate in itertools.product(
-        (("tp 8", uniform), ("tp per pool", searched)), (5.0, 20.0, 50.0)
-    ):
-        disagg, coloc = plan(spec, rate)
-        print(f"{label}, {rate:g} req/s:")
-        print(f"  disaggregated: {disagg.describe()}")
-        print(f"  colocated:     {coloc.describe()}")
-        print(
-            f"  goodput/GPU disaggregated ÷ colocated: {disagg.goodput_per_gpu / coloc.goodput_per_gpu:.2f}x"
-        )
-    return 0
+    return compare_plans((("tp 8", uniform), ("tp per pool", searched)), (5.0, 20.0, 50.0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,10 +55,10 @@ class ModelRunner:
         layer_done: Callable[[int], None] | None = None,
         rank_data: Any = None,
     ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
-        """Forward the batch (``rank_data`` goes with its plan to the other ranks). Returns (logits [n, V] fp32, indexes into batch.seqs of the n
-        sequences whose prompt or token is now fully computed and so sample a token, and for
-        each prompt chunk whose sequence asked for prompt logprobs, its index → its rows'
-        hidden states [count, H])."""
+        """Forward the batch (``rank_data`` goes with its plan to the other ranks). Returns
+        (logits [n, V] fp32, indexes into batch.seqs of the n sequences whose prompt or token
+        is now fully computed and so sample a token, and for each prompt chunk whose
+        sequence asked for prompt logprobs, its index → its rows' hidden states [count, H])."""
         plan, last_rows, sampling = self.plan(batch)
         if self.tp.size > 1:
             self.tp.send(

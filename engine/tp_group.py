@@ -13,8 +13,8 @@
 
 Who calls: the driver's engine (its model runner) and each worker rank's loop (tp_worker).
 Every method is called from one thread per process, except ``listen``'s threads, which
-only read the driver's sockets (the sending thread only writes them). Errors: a peer that is gone raises
-``TensorParallelError`` naming the rank.
+only read the driver's sockets (the sending thread only writes them). Errors: a peer that
+is gone raises ``TensorParallelError`` naming the rank.
 """
 
 from __future__ import annotations

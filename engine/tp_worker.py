@@ -169,8 +169,8 @@ def run_worker(spec: WorkerSpec) -> None:
     from engine.checkpoint import Checkpoint
     from engine.kv_cache import PagedKVCache
     from engine.llm_engine import load_shard
+    from engine.loader import shard_layout
     from engine.model_runner import ModelRunner, StepPlan
-    from engine.tensor_parallel import ShardLayout
 
     logging.basicConfig(level=logging.WARNING)
     config = spec.config
@@ -190,7 +190,7 @@ def run_worker(spec: WorkerSpec) -> None:
         runner = ModelRunner(model, cache)
         service = None
         if spec.service is not None:
-            layout = ShardLayout(checkpoint.config, tp.size, spec.rank)
+            layout = shard_layout(checkpoint.config, tp)
             reply_lock = threading.Lock()
 
             def reply(payload: Any) -> None:

@@ -331,6 +331,11 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
     raise FrameError(f"unknown frame type {kind!r}")
 
 
+def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The fields in which two model fingerprints differ, sorted."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def check_version(handshake: Handshake) -> None:
     if handshake.version != PROTOCOL_VERSION:
         raise HandshakeError(
@@ -346,11 +351,7 @@ def check_compatible(
     check_version(handshake)
     ours = normalise_fingerprint(fingerprint)
     if handshake.fingerprint != ours:
-        diff = sorted(
-            k
-            for k in set(ours) | set(handshake.fingerprint)
-            if ours.get(k) != handshake.fingerprint.get(k)
-        )
+        diff = fingerprint_diff(ours, handshake.fingerprint)
         raise HandshakeError(
             f"model fingerprint mismatch in {diff}: sender {handshake.fingerprint}, receiver {ours}"
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kv_transfer.frames import fingerprint_diff
+
 HeadRange = tuple[int, int]  # [start, stop) of the model's KV heads
 
 
@@ -94,11 +96,7 @@ def layout_problem(
     """Why ``prefill`` cannot fill ``decode``'s cache, naming both sides; None if it can."""
     reasons = []
     if prefill.fingerprint != decode.fingerprint:
-        diff = sorted(
-            k
-            for k in set(prefill.fingerprint) | set(decode.fingerprint)
-            if prefill.fingerprint.get(k) != decode.fingerprint.get(k)
-        )
+        diff = fingerprint_diff(prefill.fingerprint, decode.fingerprint)
         reasons.append(f"their models differ in {diff}")
     if prefill.block_size != decode.block_size:
         reasons.append("their block sizes differ")

@@ -210,9 +210,8 @@ class PrefillWorker(WorkerBase):
             return  # over already (failed, cancelled)
         job.rank_outcomes.setdefault(message.rank, outcome)
         if outcome.error is not None:  # fail it now: the other ranks' streams stop
-            job.error = job.error or f"{self.name}: KV transfer of {job.request_id} failed: " + (
-                outcome.error
-            )
+            failure = f"{self.name}: KV transfer of {job.request_id} failed: {outcome.error}"
+            job.error = job.error or failure
         if len(job.rank_outcomes) == self.tensor_parallel_size - 1:
             job.ranks_done.set()
 
