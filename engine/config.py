@@ -237,7 +237,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     # CPU GEMM library: auto = the fastest per row count, measured at start-up
-    # (engine.cpu_gemm); or torch, onednn, openblas for every GEMM.
+    # (engine.cpu_gemm); or torch, onednn, onednn-packed, openblas for every GEMM.
     cpu_gemm: str = "auto"
     # CUDA: capture the decode forward as CUDA graphs at start-up (False: always eager)
     cuda_graphs: bool = True
@@ -261,9 +261,10 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype, allow_fp8=True)
-        if self.cpu_gemm not in ("auto", "torch", "onednn", "openblas"):
+        if self.cpu_gemm not in ("auto", "torch", "onednn", "onednn-packed", "openblas"):
             raise EngineError(
-                f"cpu_gemm must be auto, torch, onednn or openblas, got {self.cpu_gemm!r}"
+                "cpu_gemm must be auto, torch, onednn, onednn-packed or openblas, "
+                f"got {self.cpu_gemm!r}"
             )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineError(

@@ -1,10 +1,12 @@
 """GEMMs on CPU through the fastest BLAS at hand for each row count, chosen by measurement.
 
-Three libraries compute ``x @ W.T`` here with no copy of the weights: torch's ``F.linear``
-(MKL), oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``), and OpenBLAS (the one
-numpy ships). Their speed differs by up to 2x on the same machine and shape, and which wins
-depends on the CPU: on this project's AMD machines MKL reads a GEMV's weights at half the
-bandwidth OpenBLAS does, while Intel CPUs with AMX favour MKL and oneDNN. So a replica times
+Three libraries compute ``x @ W.T`` here: torch's ``F.linear`` (MKL), oneDNN's inner product
+(``torch.ops.mkldnn._linear_pointwise``), and OpenBLAS (the one numpy ships). oneDNN also
+runs on weights reordered once into its own blocked layout ("onednn-packed"); given the plain
+layout it reorders them on every call, which costs a GEMV about a third of its time. Their
+speed differs by up to 2x on the same machine and shape, and which wins depends on the CPU:
+on this project's AMD machines MKL reads a GEMV's weights at half the bandwidth OpenBLAS
+does, while Intel CPUs with AMX favour MKL and oneDNN. So a replica times
 each library on its own weights once, at start-up (``GemmPlan.measure``), for each bucket of
 row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row count.
 
@@ -31,8 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PLAN_FORMAT = 2  # part of the cache key: plans measured before "onednn-packed" existed are stale
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -48,17 +52,43 @@ def _openblas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out.add_(bias)
 
 
+class PackedOneDNN:
+    """oneDNN's inner product on weights reordered once into its blocked layout.
+
+    Each weight is packed on its first use and kept while the weight lives (keyed by the
+    tensor object, not its address, so a freed weight's packing is never reused): one more
+    copy of every GEMM weight in memory. In bf16 the packed layout gives bitwise oneDNN's
+    results on the plain weight; in fp32 a one-row GEMV rounds differently (tests)."""
+
+    # The row count oneDNN picks its layout for; measured here, 1-256 differ by noise only.
+    PACK_ROWS = 32
+
+    def __init__(self) -> None:
+        self._packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        packed = self._packed.get(weight)
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
+            self._packed[weight] = packed
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Stateless backends; "onednn-packed" holds packings, so each GemmPlan has its own.
 BACKENDS: dict[str, Callable] = {
     "torch": _torch_linear,
     "onednn": _onednn_linear,
     "openblas": _openblas_linear,
 }
+BACKEND_NAMES = (*BACKENDS, "onednn-packed")
 
 
 def available_backends(dtype: torch.dtype, threads: int) -> list[str]:
     names = ["torch"]
     if torch.backends.mkldnn.is_available():
-        names.append("onednn")
+        names += ["onednn", "onednn-packed"]
     # numpy has no bf16 (and its fp16 GEMM is not BLAS). With more than one thread,
     # OpenBLAS's pool and torch's OpenMP pool spin against each other between calls:
     # measured here, a decode step took 3x longer, which GEMMs timed alone do not show.
@@ -74,12 +104,21 @@ class GemmPlan:
 
     choices: dict[int, str] = field(default_factory=dict)  # bucket → backend name
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.choices.values()) - set(BACKEND_NAMES)
+        if unknown:
+            raise ValueError(f"unknown CPU GEMM backend(s) {sorted(unknown)}: {BACKEND_NAMES}")
+
+    def backend(self, name: str) -> Callable:
+        return self.packed if name == "onednn-packed" else BACKENDS[name]
 
     def backend_for(self, rows: int) -> Callable:
         for bucket in BUCKETS:
             if rows <= bucket:
-                return BACKENDS[self.choices.get(bucket, "torch")]
-        return BACKENDS[self.choices.get(BUCKETS[-1], "torch")]
+                return self.backend(self.choices.get(bucket, "torch"))
+        return self.backend(self.choices.get(BUCKETS[-1], "torch"))
 
     def linear(
         self,
@@ -118,7 +157,7 @@ class GemmPlan:
             sweep = weights if rows <= 16 else weights[: max(len(weights) // cold_layers, 4)]
             timings = {}
             for name in names:
-                backend = BACKENDS[name]
+                backend = plan.backend(name)
                 try:
                     backend(inputs[sweep[0].shape[1]], sweep[0], None)
                 except RuntimeError:  # e.g. oneDNN without support for this dtype here
@@ -126,7 +165,7 @@ class GemmPlan:
                 timings[name] = _best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
-        return plan
+        return plan  # with the sweep's packings: they are the model's weights, packed
 
     def describe(self) -> str:
         return ", ".join(f"{rows}:{name}" for rows, name in sorted(self.choices.items()))
@@ -168,6 +207,7 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
         _cpu_model(),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
+        f"format {PLAN_FORMAT}",
         str(torch.get_num_threads()),
         str(weights[0].dtype),
         ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import RopeConfig
-from engine.cpu_gemm import BACKENDS, GemmPlan, available_backends
+from engine.cpu_gemm import BACKENDS, GemmPlan, PackedOneDNN, available_backends
 from engine.kernels.cpu_attention import (
     decode_attention_cpu,
     decode_plan,
@@ -99,11 +99,45 @@ def test_rotary_is_hf_rotate_half_bit_for_bit():
     assert torch.equal(apply_rotary(x, *rope.tables(positions, torch.float32)), expected)
 
 
-@pytest.mark.parametrize("name", ["torch", "onednn", "openblas"])
+@pytest.mark.parametrize("name", ["torch", "onednn", "onednn-packed", "openblas"])
 def test_every_gemm_backend_computes_the_linear(name):
     x, w, b = torch.randn(5, 64), torch.randn(48, 64), torch.randn(48)
-    torch.testing.assert_close(BACKENDS[name](x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(BACKENDS[name](x, w, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    backend = GemmPlan().backend(name)
+    torch.testing.assert_close(backend(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(backend(x, w, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_onednn_weights_give_onednns_bits_in_bf16():
+    # bf16 (the CPU dtype where packing pays most) rounds alike on either layout; fp32's
+    # one-row GEMV takes another oneDNN kernel there, equal within rounding.
+    packed = PackedOneDNN()
+    for dtype in (torch.bfloat16, torch.float32):
+        w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+        for rows in (1, 3, 8, 32, 100):
+            x = torch.randn(rows, 64).to(dtype)
+            got, want = packed(x, w, b), BACKENDS["onednn"](x, w, b)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want), rows
+            else:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_packings_follow_their_weights_not_their_addresses():
+    packed = PackedOneDNN()
+    x = torch.randn(2, 32)
+    for _ in range(3):  # each new weight may reuse the freed one's memory
+        w = torch.randn(16, 32)
+        torch.testing.assert_close(packed(x, w, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    del w
+    import gc
+
+    gc.collect()
+    assert len(packed._packed) == 0  # no packing outlives its weight
+
+
+def test_a_plan_naming_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown CPU GEMM backend"):
+        GemmPlan(choices={1: "mkl-magic"})
 
 
 def test_gemm_plan_measures_each_bucket_and_routes_by_rows():
@@ -119,6 +153,7 @@ def test_gemm_plan_measures_each_bucket_and_routes_by_rows():
         routed.backend_for(1) is BACKENDS["openblas"]
         and routed.backend_for(5) is BACKENDS["onednn"]
     )
+    assert GemmPlan(choices={8: "onednn-packed"}).backend_for(8).__class__ is PackedOneDNN
     assert (
         routed.backend_for(64) is BACKENDS["torch"]
         and routed.backend_for(10_000) is BACKENDS["torch"]
