@@ -1,7 +1,7 @@
-"""The bare engine's prefill of a 128-token prompt as a serving actor runs it (fp32, one
-torch thread, no prefix cache): the baseline for `bench serve`'s TTFT.
+"""The bare engine's prefill of a 128-token prompt as a serving actor runs it (the served
+dtype, one torch thread, no prefix cache): the baseline for `bench serve`'s TTFT.
 
-    python -m benchmarks.bare_prefill [--model smollm2-135m] [--tokens 128]
+    python -m benchmarks.bare_prefill [--model smollm2-135m] [--tokens 128] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--dtype", default="auto", help="as `pdcluster serve --dtype`")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, progress=False, dtype="float32", enable_prefix_caching=False)
+    llm = LLM(args.model, progress=False, dtype=args.dtype, enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(1)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -35,7 +36,7 @@ def main() -> None:
         times.append(time.perf_counter() - started)
     times = times[2:]
     print(
-        f"bare prefill, {args.tokens} tokens, fp32, 1 thread: median "
+        f"bare prefill, {args.tokens} tokens, {llm.engine.dtype}, 1 thread: median "
         f"{statistics.median(times) * 1e3:.1f} ms (min {min(times) * 1e3:.1f}, max "
         f"{max(times) * 1e3:.1f}) over {len(times)} prompts"
     )

@@ -34,7 +34,11 @@ def add_engine_bench_parser(benches, default_model: str, model_help: str) -> Non
         "engine", help="decode ms/step and prefill tokens/s vs transformers and the roofline"
     )
     p.add_argument("--model", default=default_model, help=model_help)
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (on CPU: bf16 where measured faster), float32, bfloat16",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--concurrency", default="1,8,32", help="decode batch sizes")

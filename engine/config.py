@@ -225,7 +225,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 class EngineConfig:
     """Options of one engine instance (a prefill or decode worker, or the offline LLM)."""
 
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto = bfloat16 on CUDA; on CPU measured (engine.cpu_dtype)
     kv_cache_dtype: str = "auto"  # auto = the model dtype; or fp8
     device: str = "auto"  # auto = cuda if available else cpu
     block_size: int = 16
@@ -279,9 +279,13 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return parse_dtype(self.dtype)
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        if device.type == "cuda":
+            return torch.bfloat16
+        from engine.cpu_dtype import cpu_auto_dtype
+
+        return cpu_auto_dtype()
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.kv_cache_dtype == "auto":

@@ -69,11 +69,14 @@ class PackedOneDNN:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.pack(weight), bias, "none", [], "")
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
         packed = self._packed.get(weight)
         if packed is None:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
             self._packed[weight] = packed
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed
 
 
 # Stateless backends; "onednn-packed" holds packings, so each GemmPlan has its own.
@@ -110,6 +113,13 @@ class GemmPlan:
         unknown = set(self.choices.values()) - set(BACKEND_NAMES)
         if unknown:
             raise ValueError(f"unknown CPU GEMM backend(s) {sorted(unknown)}: {BACKEND_NAMES}")
+
+    def prepare(self, weights: Sequence[torch.Tensor]) -> None:
+        """Pack the weights now if any row count runs on packed weights (at start-up: else
+        the first request would pay ~1 ms per weight)."""
+        if "onednn-packed" in self.choices.values():
+            for weight in weights:
+                self.packed.pack(weight)
 
     def backend(self, name: str) -> Callable:
         return self.packed if name == "onednn-packed" else BACKENDS[name]
@@ -204,7 +214,7 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     """What a plan depends on: the CPU, torch, the thread count, the weights' shapes."""
     parts = [
         platform.machine(),
-        _cpu_model(),
+        cpu_model_name(),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         f"format {PLAN_FORMAT}",
@@ -215,7 +225,7 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _cpu_model() -> str:
+def cpu_model_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

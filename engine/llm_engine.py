@@ -107,6 +107,8 @@ def load_shard(
     if device.type != "cpu":
         return model, None
     plan = cpu_gemm_plan(model, config.cpu_gemm)
+    with torch.inference_mode():
+        plan.prepare(model.gemm_weights())
     model.use_linear(plan.linear)
     return model, plan
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Exactness tests hold the engine to fp32 references, so `dtype: auto` means fp32 here on
+# any CPU (engine.cpu_dtype); tests of the measured choice unset it.
+os.environ.setdefault("PDCLUSTER_CPU_DTYPE", "float32")
 # Local Ray clusters in tests talk over loopback only (Ray reads this at import time).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 

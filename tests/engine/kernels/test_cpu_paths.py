@@ -135,6 +135,16 @@ def test_packings_follow_their_weights_not_their_addresses():
     assert len(packed._packed) == 0  # no packing outlives its weight
 
 
+def test_a_plan_packs_its_weights_up_front_only_when_it_uses_packing():
+    weights = [torch.randn(16, 32), torch.randn(32, 16)]
+    packing = GemmPlan(choices={1: "onednn", 8: "onednn-packed"})
+    packing.prepare(weights)
+    assert len(packing.packed._packed) == 2  # no request pays for the reorder
+    plain = GemmPlan(choices={1: "onednn", 8: "torch"})
+    plain.prepare(weights)
+    assert len(plain.packed._packed) == 0
+
+
 def test_a_plan_naming_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown CPU GEMM backend"):
         GemmPlan(choices={1: "mkl-magic"})
