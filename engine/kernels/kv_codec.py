@@ -6,7 +6,9 @@ convention of :mod:`engine.kernels.fp8`: one float32 scale per (block, kv head),
 
 The Triton kernels run one program per (block, kv head) and hold the whole
 ``[block_size, head_dim]`` tile in registers: a block is small (16 x 128 by default), so the
-amax reduction and the quantisation need a single pass over HBM.
+amax reduction and the quantisation need a single pass over HBM. On CPU a C kernel
+(``kv_codec_cpu.c``, built on first use) does the same per block, bit for bit the torch
+reference, which remains where no C compiler is at hand.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import dispatch
+from engine.kernels import cpu_native, dispatch
 from engine.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -27,6 +29,7 @@ from engine.kernels.fp8 import (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kv_codec_cpu.c's codes
 
 # Module-level constants are visible to jit functions only as tl.constexpr globals.
 FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -182,10 +185,28 @@ def quantize_kv_blocks_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
+def quantize_kv_blocks_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel (engine.kernels.cpu_native): one pass per block, at memory speed."""
+    _check_blocks(x, "x")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float32/float16/bfloat16, got {x.dtype}")
+    x = x.contiguous()
+    n, block_size, num_heads, head_dim = x.shape
+    q = torch.empty(x.shape, dtype=FP8_DTYPE)
+    scale = torch.empty((n, num_heads), dtype=torch.float32)
+    cpu_native.library().quantize_kv_blocks(
+        x.data_ptr(), _C_DTYPES[x.dtype], n, block_size, num_heads, head_dim,
+        q.data_ptr(), scale.data_ptr(),
+    )  # fmt: skip
+    return q, scale
+
+
 def quantize_kv_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise whole KV blocks to fp8 e4m3 with one scale per (block, kv head)."""
     if dispatch.use_triton(x):
         return quantize_kv_blocks_triton(x)
+    if x.device.type == "cpu" and cpu_native.library() is not None:
+        return quantize_kv_blocks_cpu(x)
     return quantize_kv_blocks_reference(x)
 
 
@@ -242,10 +263,27 @@ def dequantize_kv_blocks_triton(
     return out
 
 
+def dequantize_kv_blocks_cpu(
+    q_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The C kernel (engine.kernels.cpu_native)."""
+    _check_dequant_args(q_fp8, scale, dtype)
+    q_fp8, scale = q_fp8.contiguous(), scale.contiguous()
+    n, block_size, num_heads, head_dim = q_fp8.shape
+    out = torch.empty(q_fp8.shape, dtype=dtype)
+    cpu_native.library().dequantize_kv_blocks(
+        q_fp8.data_ptr(), scale.data_ptr(), n, block_size, num_heads, head_dim,
+        out.data_ptr(), _C_DTYPES[dtype],
+    )  # fmt: skip
+    return out
+
+
 def dequantize_kv_blocks(
     q_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Dequantise fp8 KV blocks: ``q_fp8.float() * scale`` cast to ``dtype``."""
     if dispatch.use_triton(q_fp8):
         return dequantize_kv_blocks_triton(q_fp8, scale, dtype)
+    if q_fp8.device.type == "cpu" and cpu_native.library() is not None:
+        return dequantize_kv_blocks_cpu(q_fp8, scale, dtype)
     return dequantize_kv_blocks_reference(q_fp8, scale, dtype)
