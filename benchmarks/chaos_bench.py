@@ -221,11 +221,14 @@ def run_chaos(
 
     data = config_dict or {
         # One GEMM library: the offline reference runs with other threads than the actors.
+        # fp32: a stream moved after a kill resumes from a recomputed prefill, which in bf16
+        # may round its later tokens another way (README, "CPU dtype"); in fp32 it must not.
         "engine": {
             "num_kv_blocks": 256,
             "max_num_seqs": 32,
             "max_num_batched_tokens": 512,
             "cpu_gemm": "torch",
+            "dtype": "float32",
         },
         "pools": {"prefill": {"replicas": 2}, "decode": {"replicas": 2}},
         "kv": {
