@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_gemm import cpu_model_name, plan_cache_dir
+from engine.cpu_gemm import cpu_signature, plan_cache_dir
 from engine.errors import EngineError
 
 BF16_MIN_SPEEDUP = 1.5
@@ -47,7 +47,7 @@ def cpu_auto_dtype() -> torch.dtype:
     directory = plan_cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
-        "|".join([platform.machine(), cpu_model_name(), torch.__version__]).encode()
+        "|".join([platform.machine(), cpu_signature(), torch.__version__]).encode()
     ).hexdigest()[:16]
     path = directory / f"dtype-{key}.json"
     with open(directory / f"dtype-{key}.lock", "w") as lock:

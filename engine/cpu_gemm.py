@@ -214,7 +214,7 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     """What a plan depends on: the CPU, torch, the thread count, the weights' shapes."""
     parts = [
         platform.machine(),
-        cpu_model_name(),
+        cpu_signature(),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         f"format {PLAN_FORMAT}",
@@ -225,14 +225,21 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cpu_model_name() -> str:
+def cpu_signature() -> str:
+    """What this CPU is, for keys of what is measured or built for it: the model name and the
+    instruction sets. The name alone is not enough: VMs of one cloud report "AMD EPYC" with
+    AVX2 on one host and AVX-512 BF16 on the next, and the cache may live on shared disk."""
+    name, flags = platform.processor(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith("model name") and name == platform.processor():
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
     except OSError:
         pass
-    return platform.processor()
+    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return f"{name}|{torch.backends.cpu.get_cpu_capability()}|flags {digest}"
 
 
 def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> None:

@@ -20,7 +20,7 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-from engine.cpu_gemm import cpu_model_name, plan_cache_dir
+from engine.cpu_gemm import cpu_signature, plan_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def library() -> ctypes.CDLL | None:
         logger.warning("no C compiler: the CPU FP8 KV codec runs in torch (slower)")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cpu_model_name().encode() + " ".join(FLAGS).encode())
+    key = hashlib.sha256(source + cpu_signature().encode() + " ".join(FLAGS).encode())
     directory = plan_cache_dir().parent / "native"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"kv_codec_cpu-{key.hexdigest()[:16]}.so"

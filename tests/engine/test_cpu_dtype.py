@@ -48,6 +48,24 @@ def test_measured_once_per_machine_then_read_by_every_engine(timings):
     assert json.loads(stored.read_text()) == {"dtype": "bfloat16", "bf16_speedup": 2.5}
 
 
+def test_a_cpu_with_other_instruction_sets_measures_its_own(timings, monkeypatch):
+    # Same model name, other flags (an AVX2 host after an AVX-512 BF16 one, one home dir).
+    speedup_of, measured, _ = timings
+    monkeypatch.setattr(cpu_dtype, "cpu_signature", lambda: "AMD EPYC|AVX512|flags a")
+    speedup_of(3.0)
+    assert cpu_dtype.cpu_auto_dtype() == torch.bfloat16
+    monkeypatch.setattr(cpu_dtype, "cpu_signature", lambda: "AMD EPYC|AVX2|flags b")
+    speedup_of(0.17)
+    assert cpu_dtype.cpu_auto_dtype() == torch.float32 and measured == [3.0, 0.17]
+
+
+def test_the_cpu_signature_names_the_instruction_sets():
+    from engine.cpu_gemm import cpu_signature
+
+    assert torch.backends.cpu.get_cpu_capability() in cpu_signature()
+    assert "flags " in cpu_signature()
+
+
 def test_an_unreadable_choice_is_measured_again(timings):
     speedup_of, measured, cache = timings
     speedup_of(0.2)
