@@ -38,6 +38,16 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler: the CPU FP8 KV codec runs in torch (slower)")
         return None
+    try:
+        return _build_and_load(compiler)
+    except OSError as err:  # an unwritable cache, a broken library file
+        logger.warning(
+            "the CPU FP8 KV codec could not be built or loaded, so it runs in torch: %s", err
+        )
+        return None
+
+
+def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + cpu_signature().encode() + " ".join(FLAGS).encode())
     directory = plan_cache_dir().parent / "native"

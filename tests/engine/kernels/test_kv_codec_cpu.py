@@ -84,6 +84,13 @@ def test_no_native_opts_out(monkeypatch):
     assert cpu_native.library.__wrapped__() is None
 
 
+def test_an_unwritable_cache_leaves_the_torch_codec(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("PDCLUSTER_CACHE", str(blocked))  # mkdir under it fails
+    assert cpu_native.library.__wrapped__() is None
+
+
 def test_bad_inputs_get_the_references_errors():
     with pytest.raises(ValueError, match="must be"):
         quantize_kv_blocks_cpu(torch.zeros(4, 16, 2))
