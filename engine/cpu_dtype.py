@@ -32,6 +32,7 @@ from engine.errors import EngineError
 
 BF16_MIN_SPEEDUP = 1.5
 PIN_VARIABLE = "PDCLUSTER_CPU_DTYPE"
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _ROWS, _IN, _OUT = 256, 1024, 2048  # a prefill step's GEMM on a small model
 
 
@@ -63,8 +64,6 @@ def cpu_auto_dtype() -> torch.dtype:
         os.replace(partial, path)
         return _DTYPES[dtype]
 
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def bf16_speedup() -> float:
