@@ -65,7 +65,6 @@ def cpu_auto_dtype() -> torch.dtype:
         return _DTYPES[dtype]
 
 
-
 def bf16_speedup() -> float:
     """fp32 GEMM time / bf16 GEMM time at one transformer-sized shape (best of 3 each)."""
     generator = torch.Generator().manual_seed(0)
