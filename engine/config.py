@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_gemm import BACKEND_NAMES
 from engine.errors import EngineError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = {
@@ -261,10 +262,9 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype, allow_fp8=True)
-        if self.cpu_gemm not in ("auto", "torch", "onednn", "onednn-packed", "openblas"):
+        if self.cpu_gemm not in ("auto", *BACKEND_NAMES):
             raise EngineError(
-                "cpu_gemm must be auto, torch, onednn, onednn-packed or openblas, "
-                f"got {self.cpu_gemm!r}"
+                f"cpu_gemm must be auto or one of {', '.join(BACKEND_NAMES)}, got {self.cpu_gemm!r}"
             )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineError(

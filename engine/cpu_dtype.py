@@ -17,17 +17,14 @@ a cluster of mixed CPUs, or a test suite that holds the engine to fp32 reference
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import os
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_gemm import cpu_signature, plan_cache_dir
+from engine.cpu_gemm import best_ms, cached_measurement, cpu_signature, plan_cache_dir
 from engine.errors import EngineError
 
 BF16_MIN_SPEEDUP = 1.5
@@ -45,24 +42,17 @@ def cpu_auto_dtype() -> torch.dtype:
                 f"{PIN_VARIABLE} must be one of {sorted(_DTYPES)} (or unset), got {pinned!r}"
             )
         return _DTYPES[pinned]
-    directory = plan_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
         "|".join([platform.machine(), cpu_signature(), torch.__version__]).encode()
     ).hexdigest()[:16]
-    path = directory / f"dtype-{key}.json"
-    with open(directory / f"dtype-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # replicas starting together measure once
-        try:
-            return _DTYPES[json.loads(path.read_text())["dtype"]]
-        except (OSError, ValueError, KeyError):
-            pass  # not measured on this machine yet (or unreadable): measure now
+
+    def measure() -> tuple[dict, torch.dtype]:
         speedup = bf16_speedup()
         dtype = "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32"
-        partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps({"dtype": dtype, "bf16_speedup": round(speedup, 2)}))
-        os.replace(partial, path)
-        return _DTYPES[dtype]
+        return {"dtype": dtype, "bf16_speedup": round(speedup, 2)}, _DTYPES[dtype]
+
+    path = plan_cache_dir() / f"dtype-{key}.json"
+    return cached_measurement(path, measure, lambda data: _DTYPES[data["dtype"]])
 
 
 def bf16_speedup() -> float:
@@ -71,17 +61,7 @@ def bf16_speedup() -> float:
     x = torch.randn(_ROWS, _IN, generator=generator)
     w = torch.randn(_OUT, _IN, generator=generator)
     with torch.inference_mode():
-        fp32 = _best_seconds(lambda: F.linear(x, w))
+        fp32 = best_ms(lambda: F.linear(x, w))
         xb, wb = x.bfloat16(), w.bfloat16()
-        bf16 = _best_seconds(lambda: F.linear(xb, wb))
+        bf16 = best_ms(lambda: F.linear(xb, wb))
     return fp32 / bf16
-
-
-def _best_seconds(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+T = TypeVar("T")
 PLAN_FORMAT = 2  # part of the cache key: plans measured before "onednn-packed" existed are stale
 
 
@@ -172,7 +174,7 @@ class GemmPlan:
                     backend(inputs[sweep[0].shape[1]], sweep[0], None)
                 except RuntimeError:  # e.g. oneDNN without support for this dtype here
                     continue
-                timings[name] = _best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
+                timings[name] = best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
         return plan  # with the sweep's packings: they are the model's weights, packed
@@ -190,33 +192,45 @@ def plan_cache_dir() -> Path:
 
 def cached_plan(weights: Sequence[torch.Tensor], directory: Path | None = None) -> GemmPlan:
     """The plan for these weights on this machine at the current thread count: read from
-    the cache, or measured (under a file lock, so replicas starting together measure once)
-    and stored."""
-    directory = directory or plan_cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    key = _plan_key(weights)
-    path = directory / f"{key}.json"
-    with open(directory / f"{key}.lock", "w") as lock:
+    the cache, or measured and stored."""
+
+    def measure() -> tuple[dict, GemmPlan]:
+        plan = GemmPlan.measure(weights)
+        return {"choices": plan.choices, "timings_ms": plan.timings_ms}, plan
+
+    def parse(data: dict) -> GemmPlan:
+        return GemmPlan(choices={int(k): v for k, v in data["choices"].items()})
+
+    path = (directory or plan_cache_dir()) / f"{_plan_key(weights)}.json"
+    return cached_measurement(path, measure, parse)
+
+
+def cached_measurement(
+    path: Path, measure: Callable[[], tuple[dict, T]], parse: Callable[[dict], T]
+) -> T:
+    """``parse`` of the JSON stored at ``path``; where there is none (or it is unreadable),
+    ``measure()``'s value, its JSON stored there first. Under a file lock beside ``path``,
+    so that processes starting together on one machine measure once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            data = json.loads(path.read_text())
-            return GemmPlan(choices={int(k): v for k, v in data["choices"].items()})
+            return parse(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError):
             pass  # not measured yet here (or unreadable): measure now
-        plan = GemmPlan.measure(weights)
+        data, value = measure()
         partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps({"choices": plan.choices, "timings_ms": plan.timings_ms}))
+        partial.write_text(json.dumps(data))
         os.replace(partial, path)
-        return plan
+        return value
 
 
 def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     """What a plan depends on: the CPU, torch, the thread count, the weights' shapes."""
     parts = [
         platform.machine(),
-        cpu_signature(),
+        cpu_signature(),  # its instruction sets too
         torch.__version__,
-        torch.backends.cpu.get_cpu_capability(),
         f"format {PLAN_FORMAT}",
         str(torch.get_num_threads()),
         str(weights[0].dtype),
@@ -229,17 +243,16 @@ def cpu_signature() -> str:
     """What this CPU is, for keys of what is measured or built for it: the model name and the
     instruction sets. The name alone is not enough: VMs of one cloud report "AMD EPYC" with
     AVX2 on one host and AVX-512 BF16 on the next, and the cache may live on shared disk."""
-    name, flags = platform.processor(), ""
+    fields: dict[str, str] = {}  # the first processor's
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == platform.processor():
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{name}|{torch.backends.cpu.get_cpu_capability()}|flags {digest}"
+    model = fields.get("model name") or platform.processor()
+    flags = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode())
+    return f"{model}|{torch.backends.cpu.get_cpu_capability()}|flags {flags.hexdigest()[:12]}"
 
 
 def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> None:
@@ -247,7 +260,7 @@ def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> 
         backend(inputs[weight.shape[1]], weight, None)
 
 
-def _best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+def best_ms(fn: Callable[[], object], repeats: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
