@@ -1,14 +1,19 @@
-"""Attention on CPU: torch's fused SDPA kernels over pages gathered once per step.
+"""Attention on CPU: a C kernel over the paged cache for decode, torch's fused SDPA kernels
+for prefill.
 
 The CPU production path of decode and prefill attention (the Triton kernels are the CUDA
 path; the ``*_reference`` functions beside them define the result, and tests hold these to
 them). What one forward's layers share -- which cache pages each sequence reads, its mask --
 is worked out once per step (``decode_plan``, ``prefill_plan``), not once per layer.
 
-- Decode: every sequence's pages are gathered into ``[B, L, Hkv, D]`` and one SDPA call
-  covers the batch, the G query heads of a KV head acting as G query rows (GQA without
-  copying K/V). Rows past a sequence's context are masked; they are zeroed in the copy too,
-  since a masked score times a garbage (NaN) value would still be NaN.
+- Decode: ``attention_cpu.c`` (built by ``cpu_native``) reads each sequence's K/V in place
+  through its block table, in fp32. Where it cannot be built, every sequence's pages are
+  gathered into ``[B, L, Hkv, D]`` and one SDPA call covers the batch, the G query heads of
+  a KV head acting as G query rows (GQA without copying K/V). Rows past a sequence's
+  context are masked; they are zeroed in the copy too, since a masked score times a garbage
+  (NaN) value would still be NaN. At 3 query rows per KV head SDPA's CPU kernel spends most
+  of its time on overhead, and the gather copies every page once per layer, so the C kernel
+  is several times faster (benchmarks/RESULTS.md).
 - Prefill: one SDPA call per sequence, never an ``[S, S]`` score tensor. A prompt with no
   cached prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt
   chunk after a prefix gets its keys from the pages plus its own, with a bottom-right causal
@@ -22,33 +27,59 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_native
+from engine.kernels.decode_attention import check_decode_args
 from engine.kernels.fp8 import FP8_DTYPE
+
+_C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8_DTYPE: 3}  # cpu_native.h
 
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """Per step: the pages every layer gathers for a decode batch."""
+class GatherPlan:
+    """The pages every layer gathers for the SDPA path (no C kernel here)."""
 
-    batch: int
     length: int  # gathered rows per sequence (whole pages)
     pages: torch.Tensor  # [B * P] int64 block ids (unused table entries point at block 0)
     mask: torch.Tensor | None  # [B, 1, 1, L] bool, None when every row of every page is real
     invalid_rows: torch.Tensor | None  # [n] int64 rows of the flat [B * L] copy past a context
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Per step, for every layer of a decode batch."""
+
+    batch: int
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    context_lens: torch.Tensor  # [B] int32
+    max_block: int  # the largest block id a context reaches (the C kernel checks it)
+    gather: GatherPlan | None  # None: the C kernel reads the pages in place
+
+
 def decode_plan(block_tables: torch.Tensor, context_lens: list[int], block_size: int) -> DecodePlan:
     batch = len(context_lens)
+    tables = block_tables.to(torch.int32).contiguous()
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    longest = max(context_lens, default=0)
+    if longest > tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {longest} tokens does not fit a block table of {tables.shape[1]} "
+            f"blocks of {block_size}"
+        )
+    used = torch.arange(tables.shape[1])[None] * block_size < ctx[:, None]  # [B, max_blocks]
+    max_block = int(tables[used].max()) if batch and longest else 0
+    if cpu_native.library() is not None:
+        return DecodePlan(batch, tables, ctx, max_block, None)
     num_pages = max(-(-max(context_lens, default=1) // block_size), 1)
     length = num_pages * block_size
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
     pages = block_tables[:, :num_pages].long()
     page_start = torch.arange(num_pages)[None] * block_size
     pages = torch.where(page_start < ctx[:, None], pages, 0).flatten()
     if all(n == length for n in context_lens):
-        return DecodePlan(batch, length, pages, None, None)
+        return DecodePlan(batch, tables, ctx, max_block, GatherPlan(length, pages, None, None))
     valid = torch.arange(length)[None] < ctx[:, None]  # [B, L]
     invalid = (~valid).flatten().nonzero().squeeze(1)
-    return DecodePlan(batch, length, pages, valid[:, None, None, :], invalid)
+    gather = GatherPlan(length, pages, valid[:, None, None, :], invalid)
+    return DecodePlan(batch, tables, ctx, max_block, gather)
 
 
 def decode_attention_cpu(
@@ -60,6 +91,39 @@ def decode_attention_cpu(
     plan: DecodePlan,
     softmax_scale: float,
 ) -> torch.Tensor:
+    if plan.gather is None:
+        return _decode_attention_native(q, k_cache, v_cache, k_scale, v_scale, plan, softmax_scale)
+    return _decode_attention_sdpa(q, k_cache, v_cache, k_scale, v_scale, plan.gather, softmax_scale)
+
+
+def _decode_attention_native(q, k_cache, v_cache, k_scale, v_scale, plan, softmax_scale):
+    # The C kernel trusts its arguments: every shape, dtype and block id is checked here.
+    check_decode_args(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.context_lens)
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if plan.max_block >= num_blocks:
+        raise ValueError(f"block table names block {plan.max_block} of a {num_blocks}-block cache")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, Hkv, D]")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype)
+    failed = cpu_native.library().paged_decode_attention(
+        q.data_ptr(), _C_DTYPES[q.dtype], q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), _C_DTYPES[k_cache.dtype],
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+        plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.context_lens.data_ptr(),
+        batch, num_q_heads, num_kv_heads, head_dim, block_size, softmax_scale, out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("decode attention could not allocate its scratch memory")
+    return out
+
+
+def _decode_attention_sdpa(q, k_cache, v_cache, k_scale, v_scale, plan: GatherPlan, scale):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -82,7 +146,7 @@ def decode_attention_cpu(
         k,
         v,
         attn_mask=plan.mask,
-        scale=softmax_scale,
+        scale=scale,
     )  # [B, Hkv, G, D]
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 

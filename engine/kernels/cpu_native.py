@@ -1,5 +1,6 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
-ctypes: what torch has no fused op for and does slowly element by element (the FP8 KV codec).
+ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
+paged decode attention).
 
 The library is compiled once per machine (``-march=native``: it runs where it was built)
 into the pdcluster cache, under a file lock so that replicas starting together build it
@@ -24,9 +25,15 @@ from engine.cpu_gemm import cpu_signature, plan_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kv_codec_cpu.c")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "kv_codec_cpu.c", _HERE / "attention_cpu.c")
+HEADERS = (_HERE / "cpu_native.h",)
 # Bit-exact IEEE arithmetic as torch does it: no -ffast-math, no fused multiply-adds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+# Parallel loops on torch's OpenMP threads: the library needs libgomp.so.1, which the loader
+# resolves to the one torch has already loaded, so torch.set_num_threads governs both. A
+# compiler without OpenMP builds the same kernels single-threaded.
+OPENMP = "-fopenmp"
 
 
 @cache
@@ -36,35 +43,35 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler: the CPU FP8 KV codec runs in torch (slower)")
+        logger.warning("no C compiler: the CPU kernels run in torch (slower)")
         return None
     try:
         return _build_and_load(compiler)
     except OSError as err:  # an unwritable cache, a broken library file
         logger.warning(
-            "the CPU FP8 KV codec could not be built or loaded, so it runs in torch: %s", err
+            "the CPU kernels could not be built or loaded, so they run in torch: %s", err
         )
         return None
 
 
 def _build_and_load(compiler: str) -> ctypes.CDLL | None:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cpu_signature().encode() + " ".join(FLAGS).encode())
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(source + cpu_signature().encode() + " ".join((*FLAGS, OPENMP)).encode())
     directory = plan_cache_dir().parent / "native"
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"kv_codec_cpu-{key.hexdigest()[:16]}.so"
+    path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     with open(directory / f"{path.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             partial = path.with_suffix(f".{os.getpid()}.tmp")
-            built = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if built.returncode != 0:
+            for extra in ((OPENMP,), ()):
+                command = [compiler, *FLAGS, *extra, *map(str, SOURCES), "-o", str(partial)]
+                built = subprocess.run([*command, "-lm"], capture_output=True, text=True)
+                if built.returncode == 0:
+                    break
+            else:
                 logger.warning(
-                    "building the CPU FP8 KV codec failed; it runs in torch: %s",
+                    "building the CPU kernels failed; they run in torch: %s",
                     built.stderr.strip()[-500:],
                 )
                 return None
@@ -75,4 +82,10 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.quantize_kv_blocks.restype = None
     lib.dequantize_kv_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.dequantize_kv_blocks.restype = None
+    i32 = ctypes.c_int
+    lib.paged_decode_attention.argtypes = [
+        ptr, i32, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+        ctypes.c_float, ptr,
+    ]  # fmt: skip
+    lib.paged_decode_attention.restype = i32
     return lib

@@ -236,7 +236,7 @@ def _decode_attention_reduce_kernel(
     )
 
 
-def _check_args(
+def check_decode_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -317,7 +317,7 @@ def decode_attention_reference(
 
     ``num_splits`` is accepted for signature parity and ignored.
     """
-    _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -384,7 +384,7 @@ def decode_attention_triton(
     ``max_context_len`` (an upper bound is fine) only feeds the automatic ``num_splits``
     choice; pass it to avoid a device -> host sync on ``context_lens.max()``.
     """
-    _check_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

@@ -1,5 +1,6 @@
-"""The CPU production paths against their references: SDPA attention over gathered pages,
-the fused RMSNorm, the index_copy KV store, the sign-folded RoPE and the GEMM plan."""
+"""The CPU production paths against their references: decode attention (the C kernel, and
+SDPA over gathered pages without one), prefill SDPA, the fused RMSNorm, the index_copy KV
+store, the sign-folded RoPE and the GEMM plan."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.config import RopeConfig
 from engine.cpu_gemm import BACKENDS, GemmPlan, PackedOneDNN, available_backends
+from engine.kernels import cpu_native
 from engine.kernels.cpu_attention import (
     decode_attention_cpu,
     decode_plan,
@@ -33,10 +35,18 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "sdpa"])
 @pytest.mark.parametrize("dtype, hq, hkv, d, lens, fp8, tol", DECODE_CASES)
-def test_decode_attention_cpu_equals_reference(dtype, hq, hkv, d, lens, fp8, tol):
+def test_decode_attention_cpu_equals_reference(
+    dtype, hq, hkv, d, lens, fp8, tol, native, monkeypatch
+):
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    elif cpu_native.library() is None:
+        pytest.skip("no C compiler here")
     (q, k, v, ks, vs, tables, ctx), scale = _paged_case(dtype, hq, hkv, d, lens, fp8=fp8)
     plan = decode_plan(tables, lens, k.shape[1])
+    assert (plan.gather is None) == native
     out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
     expected = decode_attention_reference(q, k, v, ks, vs, tables, ctx, scale)
     assert not out.isnan().any()

@@ -1,0 +1,286 @@
+// Paged decode attention on CPU: each sequence's one new query token over its cached K/V,
+// read in place from the cache blocks its block table names (no gather copy, no mask).
+// The C twin of decode_attention.decode_attention_reference; tests/engine/kernels/
+// test_attention_cpu.py holds it to that.
+//
+//   q      [B, Hq, D]   rows q_stride elements apart, heads D apart; dtype q_dtype
+//   caches [N, bs, Hkv, D] contiguous; dtype cache_dtype (fp8: scales [N, Hkv] fp32)
+//   tables [B, W] int32, context_lens [B] int32
+//   out    [B, Hq, D] contiguous, in q's dtype
+//
+// fp32 throughout -- scores, softmax, the weighted sum of V -- with one rounding at the end
+// (torch's CPU flash kernel rounds the probabilities to bf16 for a bf16 cache; this is
+// closer to exact). The G = Hq / Hkv query heads of a KV head share each K/V row read.
+
+#include <stdlib.h>
+
+#include "cpu_native.h"
+
+#define LANES 16  // fp32 partial sums kept apart: vectorises without reassociating a sum
+
+// 16 fp32 lanes (one AVX-512 register, two AVX ones): the accumulators stay in registers.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// A fixed tree (lane l + lane l + 8, then + 4, + 2, + 1), so every call sums in the same
+// order; shuffles within the register, so the accumulators never go through memory.
+static inline float sum16(f32x16 v) {
+    v += __builtin_shuffle(v, (i32x16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (i32x16){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (i32x16){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (i32x16){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    return v[0];
+}
+
+// One head's rows of one cache block (rows row_stride elements apart) to fp32 [rows, D].
+#define CONVERT_ROWS(NAME, TYPE, LOAD)                                                      \
+    static void NAME(const TYPE *restrict src, int64_t rows, int64_t row_stride, int64_t D, \
+                     float scale, float *restrict out) {                                   \
+        for (int64_t r = 0; r < rows; r++)                                                 \
+            for (int64_t d = 0; d < D; d++) out[r * D + d] = LOAD(src[r * row_stride + d]); \
+        (void)scale;                                                                       \
+    }
+
+#define AS_FLOAT(v) ((float)(v))
+#define FP8_SCALED(v) (from_e4m3(v) * scale)
+CONVERT_ROWS(rows_f32, float, AS_FLOAT)
+CONVERT_ROWS(rows_f16, uint16_t, fp16_to_float)
+CONVERT_ROWS(rows_bf16, uint16_t, bf16_to_float)
+CONVERT_ROWS(rows_fp8, uint8_t, FP8_SCALED)
+
+static void rows_to_float(const void *src, int dtype, int64_t rows, int64_t row_stride,
+                          int64_t D, float scale, float *out) {
+    if (dtype == 0) rows_f32(src, rows, row_stride, D, scale, out);
+    else if (dtype == 1) rows_f16(src, rows, row_stride, D, scale, out);
+    else if (dtype == 2) rows_bf16(src, rows, row_stride, D, scale, out);
+    else rows_fp8(src, rows, row_stride, D, scale, out);
+}
+
+// a . b over D fp32 values: 16 lanes, then their fixed tree, then a scalar tail.
+static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+    f32x16 lanes = {0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) lanes += load16(a + d) * load16(b + d);
+    float sum = sum16(lanes);
+    for (; d < D; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+// out[i] = a . b_i for the four rows b_i = b + i * stride, each summed as dot() does. Four
+// independent sums, so the adds overlap instead of waiting on one another.
+static inline void dot4(const float *restrict a, const float *restrict b, int64_t stride,
+                        int64_t D, float *restrict out) {
+    f32x16 l0 = {0}, l1 = {0}, l2 = {0}, l3 = {0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        const f32x16 x = load16(a + d);
+        l0 += x * load16(b + d);
+        l1 += x * load16(b + stride + d);
+        l2 += x * load16(b + 2 * stride + d);
+        l3 += x * load16(b + 3 * stride + d);
+    }
+    float s0 = sum16(l0), s1 = sum16(l1), s2 = sum16(l2), s3 = sum16(l3);
+    for (; d < D; d++) {
+        s0 += a[d] * b[d];
+        s1 += a[d] * b[stride + d];
+        s2 += a[d] * b[2 * stride + d];
+        s3 += a[d] * b[3 * stride + d];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+// out [D] += sum over r of p[r] * rows[r, :] (rows `stride` apart), rows in order. Four
+// 16-column strips at a time, each summed in its own register, so the adds overlap.
+static inline void weighted_rows(const float *restrict p, const float *restrict rows,
+                                 int64_t stride, int64_t n, int64_t D, float *restrict out) {
+    int64_t d = 0;
+    for (; d + 4 * LANES <= D; d += 4 * LANES) {
+        f32x16 a0 = load16(out + d), a1 = load16(out + d + LANES);
+        f32x16 a2 = load16(out + d + 2 * LANES), a3 = load16(out + d + 3 * LANES);
+        for (int64_t r = 0; r < n; r++) {
+            const float *row = rows + r * stride + d;
+            a0 += p[r] * load16(row);
+            a1 += p[r] * load16(row + LANES);
+            a2 += p[r] * load16(row + 2 * LANES);
+            a3 += p[r] * load16(row + 3 * LANES);
+        }
+        store16(out + d, a0), store16(out + d + LANES, a1);
+        store16(out + d + 2 * LANES, a2), store16(out + d + 3 * LANES, a3);
+    }
+    for (; d + LANES <= D; d += LANES) {
+        f32x16 acc = load16(out + d);
+        for (int64_t r = 0; r < n; r++) acc += p[r] * load16(rows + r * stride + d);
+        store16(out + d, acc);
+    }
+    for (; d < D; d++) {
+        float acc = out[d];
+        for (int64_t r = 0; r < n; r++) acc += p[r] * rows[r * stride + d];
+        out[d] = acc;
+    }
+}
+
+static void store_row(const float *restrict x, int dtype, int64_t D, void *dst) {
+    if (dtype == 0) {
+        float *o = dst;
+        for (int64_t d = 0; d < D; d++) o[d] = x[d];
+    } else if (dtype == 1) {
+        uint16_t *o = dst;
+        for (int64_t d = 0; d < D; d++) o[d] = float_to_fp16(x[d]);
+    } else {
+        uint16_t *o = dst;
+        for (int64_t d = 0; d < D; d++) o[d] = float_to_bf16(x[d]);
+    }
+}
+
+static size_t element_size(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 : 2); }
+
+// exp(x) for x <= 0 (x = score - max), within ~2 ulp: Cody-Waite reduction to
+// x = n ln2 + f, |f| <= ln2 / 2, and Cephes' polynomial for e^f; no branches or libm call,
+// so the loop calling it vectorises. Below -87 (e^x under the smallest normal) it is 0.
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const float shifted = clamped * 1.44269504088896341f + shifter;
+    const float n = shifted - shifter;
+    const float f = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * (f * f) + f + 1.0f;
+    const int32_t exponent = (int32_t)(bits_of(shifted) - bits_of(shifter)) + 127;
+    const float two_n = float_of((uint32_t)exponent << 23);
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// Softmax of one query's scores s [n] in place; returns the sum of the exponentials (the
+// caller divides the weighted sum of V by it once, as a flash kernel does).
+static float softmax_numerators(float *restrict s, int64_t n) {
+    float top = s[0];
+    for (int64_t j = 1; j < n; j++) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
+    float lane[LANES] = {0}, sum = 0.0f;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += s[j + l];
+    for (int l = 0; l < LANES; l++) sum += lane[l];
+    for (; j < n; j++) sum += s[j];
+    return sum;
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const float *k_scale, *v_scale;
+    const int32_t *tables, *context_lens;
+    int64_t q_stride, table_width, Hq, Hkv, D, block_size, max_ctx;
+    int q_dtype, cache_dtype;
+    float softmax_scale;
+    void *out;
+} Problem;
+
+// Floats of scratch one (sequence, KV head) needs: scores [G, max_ctx], queries [G, D],
+// accumulators [G, D], one block's rows [bs, D] as fp32.
+static int64_t scratch_floats(const Problem *p) {
+    const int64_t G = p->Hq / p->Hkv;
+    return G * p->max_ctx + 2 * G * p->D + p->block_size * p->D;
+}
+
+// One block's rows of head h as fp32, `*stride` elements apart: an fp32 cache is read in
+// place, any other converted into `buffer`.
+static const float *block_rows(const Problem *p, const void *cache, const float *scales,
+                               int64_t id, int64_t h, int64_t rows, float *buffer,
+                               int64_t *stride) {
+    const int64_t row = p->Hkv * p->D, start = id * p->block_size * row + h * p->D;
+    if (p->cache_dtype == 0) {
+        *stride = row;
+        return (const float *)cache + start;
+    }
+    const float s = p->cache_dtype == 3 ? scales[id * p->Hkv + h] : 1.0f;
+    rows_to_float((const char *)cache + start * element_size(p->cache_dtype), p->cache_dtype,
+                  rows, row, p->D, s, buffer);
+    *stride = p->D;
+    return buffer;
+}
+
+// The G query heads of KV head h of sequence b over its context.
+static void attend(const Problem *p, int64_t b, int64_t h, float *scratch) {
+    const int64_t G = p->Hq / p->Hkv, D = p->D, bs = p->block_size, max_ctx = p->max_ctx;
+    const int64_t ctx = p->context_lens[b], blocks = (ctx + bs - 1) / bs;
+    const int32_t *table = p->tables + b * p->table_width;
+    const size_t q_size = element_size(p->q_dtype);
+    float *scores = scratch, *qf = scores + G * max_ctx, *acc = qf + G * D, *buffer = acc + G * D;
+    char *out = (char *)p->out + (b * p->Hq + h * G) * D * q_size;
+    for (int64_t x = 0; x < G * D; x++) acc[x] = 0.0f;
+    if (ctx <= 0) {  // nothing to attend to: zeros, as the reference gives
+        for (int64_t g = 0; g < G; g++) store_row(acc, p->q_dtype, D, out + g * D * q_size);
+        return;
+    }
+    rows_to_float((const char *)p->q + (b * p->q_stride + h * G * D) * q_size, p->q_dtype, G, D,
+                  D, 1.0f, qf);  // [G, D]
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
+        int64_t stride;
+        const float *k = block_rows(p, p->k_cache, p->k_scale, table[i], h, rows, buffer, &stride);
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = scores + g * max_ctx + first;
+            int64_t r = 0;
+            for (; r + 4 <= rows; r += 4) dot4(qf + g * D, k + r * stride, stride, D, sg + r);
+            for (; r < rows; r++) sg[r] = dot(qf + g * D, k + r * stride, D);
+            for (r = 0; r < rows; r++) sg[r] *= p->softmax_scale;
+        }
+    }
+    float total[G];
+    for (int64_t g = 0; g < G; g++) total[g] = softmax_numerators(scores + g * max_ctx, ctx);
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
+        int64_t stride;
+        const float *v = block_rows(p, p->v_cache, p->v_scale, table[i], h, rows, buffer, &stride);
+        for (int64_t g = 0; g < G; g++)
+            weighted_rows(scores + g * max_ctx + first, v, stride, rows, D, acc + g * D);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *a = acc + g * D;
+        for (int64_t d = 0; d < D; d++) a[d] = a[d] / total[g];
+        store_row(a, p->q_dtype, D, out + g * D * q_size);
+    }
+}
+
+// Returns 0, or -1 when its scratch memory cannot be had. The (sequence, KV head) pairs
+// are shared among torch's OpenMP threads (built with -fopenmp, the library binds to the
+// libgomp torch has loaded, so torch.set_num_threads governs both).
+int paged_decode_attention(const void *q, int q_dtype, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int cache_dtype, const float *k_scale,
+                           const float *v_scale, const int32_t *tables, int64_t table_width,
+                           const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                           int64_t D, int64_t block_size, float softmax_scale, void *out) {
+    int64_t max_ctx = 1;
+    for (int64_t b = 0; b < B; b++) max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
+    const Problem p = {q, k_cache, v_cache, k_scale, v_scale, tables, context_lens, q_stride,
+                       table_width, Hq, Hkv, D, block_size, max_ctx, q_dtype, cache_dtype,
+                       softmax_scale, out};
+    int failed = 0;
+#pragma omp parallel if (B * Hkv > 1)
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats(&p));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * Hkv; item++)
+            if (scratch != NULL) attend(&p, item / Hkv, item % Hkv, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

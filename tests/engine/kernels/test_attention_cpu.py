@@ -1,0 +1,88 @@
+"""The C paged decode attention (engine/kernels/attention_cpu.c) against the torch
+reference, and the SDPA path it replaces where no C compiler is at hand."""
+
+import pytest
+import torch
+
+from engine.kernels import cpu_attention, cpu_native
+from engine.kernels.cpu_attention import decode_attention_cpu, decode_plan
+from engine.kernels.decode_attention import decode_attention_reference
+from tests.engine.kernels.test_decode_attention import _paged_case
+
+needs_c = pytest.mark.skipif(
+    cpu_native.library() is None, reason="no C compiler here: decode attention runs in SDPA"
+)
+
+CASES = [
+    # dtype, hq, hkv, d, context lengths, fp8, tolerance against the fp32 reference
+    (torch.float32, 9, 3, 64, [1, 17, 40, 16], False, 1e-5),  # smollm2's heads
+    (torch.float32, 8, 8, 128, [5, 200], False, 1e-5),  # no GQA, long head
+    (torch.float32, 4, 1, 40, [33, 3], False, 1e-5),  # D with a tail past 16 lanes
+    (torch.bfloat16, 9, 3, 64, [5, 70, 130], False, 8e-3),  # one bf16 rounding at the end
+    (torch.float16, 4, 2, 64, [19, 64], False, 2e-3),
+    (torch.float32, 8, 2, 64, [33, 150], True, 1e-5),  # fp8 cache with per-block scales
+    (torch.bfloat16, 8, 2, 64, [33, 9], True, 8e-3),
+]
+
+
+@needs_c
+@pytest.mark.parametrize("dtype, hq, hkv, d, lens, fp8, tol", CASES)
+def test_c_kernel_equals_reference(dtype, hq, hkv, d, lens, fp8, tol):
+    # Rows outside every context hold NaN (see _paged_case): never read, or the output is NaN.
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(dtype, hq, hkv, d, lens, fp8=fp8)
+    plan = decode_plan(tables, lens, k.shape[1])
+    assert plan.gather is None  # the C kernel, not SDPA
+    out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
+    expected = decode_attention_reference(q, k, v, ks, vs, tables, ctx, scale)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_c
+def test_strided_queries_and_thread_counts_give_the_same_bits():
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(torch.float32, 9, 3, 64, [50, 7, 90])
+    plan = decode_plan(tables, ctx.tolist(), k.shape[1])
+    fused = torch.cat([q, torch.randn(3, 3, 64)], dim=1)  # [B, Hq + Hkv, D], as the model's qk
+    strided = fused[:, :9]
+    assert not strided.is_contiguous()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention_cpu(strided, k, v, ks, vs, plan, scale)
+        torch.set_num_threads(2)
+        two = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_c
+def test_an_empty_context_gives_zeros():
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(torch.float32, 4, 2, 64, [3, 20])
+    plan = decode_plan(tables, [0, 20], k.shape[1])
+    out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
+    expected = decode_attention_reference(q, k, v, ks, vs, tables, plan.context_lens, scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+def test_bad_inputs_get_clear_errors_not_a_crash():
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(torch.float32, 4, 2, 64, [3, 20])
+    plan = decode_plan(tables, ctx.tolist(), k.shape[1])
+    with pytest.raises(ValueError, match="block table names block"):
+        decode_attention_cpu(q, k[:2], v[:2], ks, vs, plan, scale)  # ids past the cache
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention_cpu(q[..., :32], k, v, ks, vs, plan, scale)
+    with pytest.raises(ValueError, match="does not fit a block table"):
+        decode_plan(tables, [3, tables.shape[1] * 16 + 1], k.shape[1])
+
+
+def test_without_a_compiler_sdpa_serves_decode(monkeypatch):
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(torch.bfloat16, 9, 3, 64, [5, 70])
+    plan = cpu_attention.decode_plan(tables, ctx.tolist(), k.shape[1])
+    assert plan.gather is not None
+    out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
+    expected = decode_attention_reference(q, k, v, ks, vs, tables, ctx, scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
