@@ -257,20 +257,24 @@ static void attend(const Problem *p, int64_t b, int64_t h, float *scratch) {
 }
 
 // Returns 0, or -1 when its scratch memory cannot be had. The (sequence, KV head) pairs
-// are shared among torch's OpenMP threads (built with -fopenmp, the library binds to the
-// libgomp torch has loaded, so torch.set_num_threads governs both).
+// are shared among `threads` OpenMP threads: the caller passes torch's intra-op count
+// (built with -fopenmp, the library binds to the libgomp torch has loaded). Never OpenMP's
+// default: that is per calling thread, the machine's core count in a thread torch did not
+// set up, and an idle team spins on the cores a serving process needs for its other work.
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_stride, const void *k_cache,
                            const void *v_cache, int cache_dtype, const float *k_scale,
                            const float *v_scale, const int32_t *tables, int64_t table_width,
                            const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hkv,
-                           int64_t D, int64_t block_size, float softmax_scale, void *out) {
+                           int64_t D, int64_t block_size, float softmax_scale, void *out,
+                           int threads) {
     int64_t max_ctx = 1;
     for (int64_t b = 0; b < B; b++) max_ctx = context_lens[b] > max_ctx ? context_lens[b] : max_ctx;
     const Problem p = {q, k_cache, v_cache, k_scale, v_scale, tables, context_lens, q_stride,
                        table_width, Hq, Hkv, D, block_size, max_ctx, q_dtype, cache_dtype,
                        softmax_scale, out};
     int failed = 0;
-#pragma omp parallel if (B * Hkv > 1)
+    (void)threads;  // unused when built without OpenMP
+#pragma omp parallel num_threads(threads) if (threads > 1 && B * Hkv > 1)
     {
         float *scratch = malloc(sizeof(float) * scratch_floats(&p));
         if (scratch == NULL) {

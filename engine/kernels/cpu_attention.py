@@ -117,6 +117,7 @@ def _decode_attention_native(q, k_cache, v_cache, k_scale, v_scale, plan, softma
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
         plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.context_lens.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, softmax_scale, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("decode attention could not allocate its scratch memory")

@@ -85,7 +85,7 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     i32 = ctypes.c_int
     lib.paged_decode_attention.argtypes = [
         ptr, i32, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
-        ctypes.c_float, ptr,
+        ctypes.c_float, ptr, i32,
     ]  # fmt: skip
     lib.paged_decode_attention.restype = i32
     return lib
