@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
+from engine.kernels import cpu_native
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
 from engine.model import LlamaModel
@@ -110,6 +111,7 @@ def load_shard(
     with torch.inference_mode():
         plan.prepare(model.gemm_weights())
     model.use_linear(plan.linear)
+    cpu_native.library()  # built now (seconds, once per machine), not in the first request
     return model, plan
 
 

@@ -15,10 +15,12 @@ from torch import nn
 from engine.attention import decode_attention, prefill_attention
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.kernels import dispatch
+from engine.kernels.fused_cpu import rope_and_store_cpu
 from engine.kernels.fused_linear import fused_linear
 from engine.kernels.kv_store import store_kv
 from engine.kernels.rmsnorm import rmsnorm
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import LayerKV, PagedKVCache
 from engine.rope import RotaryEmbedding, apply_rotary
 from engine.tp_group import TPGroup
 
@@ -84,12 +86,9 @@ class DecoderLayer(nn.Module):
         qkv = self.linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, qkv_size]
         heads = c.num_heads + c.num_kv_heads
         qk = qkv[:, : c.q_size + c.kv_size].view(tokens, heads, c.head_dim)
-        q, k = apply_rotary(qk, *rope).split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
         layer = cache.layer(layer_index)
-        store_kv(
-            k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs
-        )
+        q, k = self._rotate_and_store(qk, v, rope, layer, meta)
         decode, prefill, nd = meta.decode, meta.prefill, meta.num_decode_tokens
         if decode is not None:
             decoded = decode_attention(q[:nd], layer, decode, self.softmax_scale)  # [Bd, Hq, D]
@@ -102,6 +101,22 @@ class DecoderLayer(nn.Module):
         )  # [T - Bd, Hq, D]
         out = prefilled if decode is None else torch.cat([decoded, prefilled])
         return self._row_parallel(out.reshape(tokens, c.q_size), self.o_weight, self.o_bias)
+
+    def _rotate_and_store(self, qk, v, rope, layer: LayerKV, meta) -> tuple[torch.Tensor, ...]:
+        """RoPE on q and k, then k and v into the cache; one C call on CPU where it applies
+        (a float cache), the same values as the torch ops."""
+        c = self.config
+        if not dispatch.use_triton(qk):
+            fused = rope_and_store_cpu(
+                qk, v, *rope, c.num_heads, layer.k, layer.v, meta.slot_mapping
+            )
+            if fused is not None:
+                return fused
+        q, k = apply_rotary(qk, *rope).split([c.num_heads, c.num_kv_heads], dim=1)
+        store_kv(
+            k, v, layer.k, layer.v, layer.k_scale, layer.v_scale, meta.slot_mapping, meta.block_runs
+        )
+        return q, k
 
 
 class LlamaModel(nn.Module):

@@ -1,6 +1,6 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
 ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
-paged decode attention).
+paged decode attention, RoPE with the KV store, RMSNorm).
 
 The library is compiled once per machine (``-march=native``: it runs where it was built)
 into the pdcluster cache, under a file lock so that replicas starting together build it
@@ -26,7 +26,7 @@ from engine.cpu_gemm import cpu_signature, plan_cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "kv_codec_cpu.c", _HERE / "attention_cpu.c")
+SOURCES = (_HERE / "kv_codec_cpu.c", _HERE / "attention_cpu.c", _HERE / "fused_cpu.c")
 HEADERS = (_HERE / "cpu_native.h",)
 # Bit-exact IEEE arithmetic as torch does it: no -ffast-math, no fused multiply-adds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
@@ -88,4 +88,10 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
         ctypes.c_float, ptr, i32,
     ]  # fmt: skip
     lib.paged_decode_attention.restype = i32
+    lib.rope_and_store.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr,
+    ]  # fmt: skip
+    lib.rope_and_store.restype = None
+    lib.rmsnorm_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, ptr, ptr]
+    lib.rmsnorm_rows.restype = None
     return lib

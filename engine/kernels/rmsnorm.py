@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import dispatch
+from engine.kernels.fused_cpu import rmsnorm_native
 from engine.kernels.silu_mul import cast_rne
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -163,12 +164,16 @@ def rmsnorm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) or, with ``residual``, ``(RMSNorm(x + residual), x + residual)``.
 
-    Triton on CUDA tensors, the torch reference otherwise.
+    Triton on CUDA tensors; on CPU torch's fused op in fp32, the C kernel (fused_cpu) in
+    bf16/fp16, the torch reference where neither applies.
     """
     if dispatch.use_triton(x):
         return rmsnorm_triton(x, weight, eps, residual)
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return rmsnorm_cpu(x, weight, eps, residual)
+    fused = rmsnorm_native(x, weight, eps, residual)  # bf16/fp16 on CPU: one C pass
+    if fused is not None:
+        return fused
     return rmsnorm_reference(x, weight, eps, residual)
 
 

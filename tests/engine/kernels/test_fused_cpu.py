@@ -1,0 +1,84 @@
+"""The fused C steps (engine/kernels/fused_cpu.c) against their torch versions: RoPE with
+the KV store bit for bit, RMSNorm with its residual add to the last rounding."""
+
+import pytest
+import torch
+
+from engine.config import RopeConfig
+from engine.kernels import cpu_native
+from engine.kernels.fused_cpu import rmsnorm_native, rope_and_store_cpu
+from engine.kernels.kv_store import store_kv_cpu
+from engine.kernels.rmsnorm import rmsnorm_reference
+from engine.rope import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.library() is None, reason="no C compiler here: these steps run in torch"
+)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rope_case(dtype, tokens=5, hq=9, hkv=3, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    qk = qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d)  # strided, as the model's
+    v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), d, max_positions=4096)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    cos, sin = rope.tables(positions, dtype)
+    cache = torch.full((8, 16, hkv, d), float("nan"), dtype=dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:tokens]
+    return qk, v, cos, sin, hq, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_store_is_the_torch_path_bit_for_bit(dtype):
+    qk, v, cos, sin, hq, cache, slots = _rope_case(dtype)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    q, k = rope_and_store_cpu(qk, v, cos, sin, hq, k_cache, v_cache, slots)
+    q_ref, k_ref = apply_rotary(qk, cos, sin).split([hq, qk.shape[1] - hq], dim=1)
+    k_ref_cache, v_ref_cache = cache.clone(), cache.clone()
+    store_kv_cpu(k_ref, v, k_ref_cache, v_ref_cache, slots)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    # every untouched row is still NaN, and the stored ones are equal
+    assert torch.equal(k_cache.isnan(), k_ref_cache.isnan())
+    assert torch.equal(k_cache.nan_to_num(0), k_ref_cache.nan_to_num(0))
+    assert torch.equal(v_cache.nan_to_num(0), v_ref_cache.nan_to_num(0))
+
+
+def test_rope_and_store_skips_negative_slots_and_refuses_what_it_cannot_take():
+    qk, v, cos, sin, hq, cache, slots = _rope_case(torch.float32, tokens=3)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    slots[1] = -1  # padding
+    rope_and_store_cpu(qk, v, cos, sin, hq, k_cache, v_cache, slots)
+    assert int((~k_cache.isnan()).any(dim=(2, 3)).sum()) == 2
+    fp8 = torch.zeros(8, 16, 3, 64, dtype=torch.float8_e4m3fn)
+    assert rope_and_store_cpu(qk, v, cos, sin, hq, fp8, fp8, slots) is None  # torch path
+    with pytest.raises(ValueError, match="slot past"):
+        rope_and_store_cpu(qk, v, cos, sin, hq, k_cache, v_cache, torch.tensor([0, 1, 8 * 16]))
+    with pytest.raises(ValueError, match="do not agree"):
+        rope_and_store_cpu(qk, v[:, :2], cos, sin, hq, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_the_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(33, 576, generator=g) * 4).to(dtype)
+    weight = torch.randn(576, generator=g).to(dtype)
+    residual = torch.randn(33, 576, generator=g).to(dtype) if with_residual else None
+    got = rmsnorm_native(x, weight, 1e-5, residual)
+    want = rmsnorm_reference(x, weight, 1e-5, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the sum is rounded as torch rounds it
+        got, want = got[0], want[0]
+    # The mean sums in another order: at most one rounding step of the dtype apart, and in
+    # 16 bits (the dtypes the engine uses it for) the same value almost everywhere.
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp)
+    if dtype != torch.float32:
+        assert (got != want).float().mean() < 0.01
+
+
+def test_rmsnorm_declines_mixed_dtypes():
+    x = torch.randn(2, 64).bfloat16()
+    assert rmsnorm_native(x, torch.randn(64), 1e-5) is None  # fp32 weight: torch promotes
