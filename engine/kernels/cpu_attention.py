@@ -1,5 +1,5 @@
-"""Attention on CPU: a C kernel over the paged cache for decode, torch's fused SDPA kernels
-for prefill.
+"""Attention on CPU: C kernels over the paged cache, torch's fused SDPA kernels where they
+cannot be built.
 
 The CPU production path of decode and prefill attention (the Triton kernels are the CUDA
 path; the ``*_reference`` functions beside them define the result, and tests hold these to
@@ -7,17 +7,18 @@ them). What one forward's layers share -- which cache pages each sequence reads,
 is worked out once per step (``decode_plan``, ``prefill_plan``), not once per layer.
 
 - Decode: ``attention_cpu.c`` (built by ``cpu_native``) reads each sequence's K/V in place
-  through its block table, in fp32. Where it cannot be built, every sequence's pages are
-  gathered into ``[B, L, Hkv, D]`` and one SDPA call covers the batch, the G query heads of
-  a KV head acting as G query rows (GQA without copying K/V). Rows past a sequence's
-  context are masked; they are zeroed in the copy too, since a masked score times a garbage
-  (NaN) value would still be NaN. At 3 query rows per KV head SDPA's CPU kernel spends most
-  of its time on overhead, and the gather copies every page once per layer, so the C kernel
-  is several times faster (benchmarks/RESULTS.md).
-- Prefill: one SDPA call per sequence, never an ``[S, S]`` score tensor. A prompt with no
-  cached prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt
-  chunk after a prefix gets its keys from the pages plus its own, with a bottom-right causal
-  mask.
+  through its block table, in fp32. Without it, every sequence's pages are gathered into
+  ``[B, L, Hkv, D]`` and one SDPA call covers the batch, the G query heads of a KV head
+  acting as G query rows (GQA without copying K/V). Rows past a sequence's context are
+  masked; they are zeroed in the copy too, since a masked score times a garbage (NaN) value
+  would still be NaN. At 3 query rows per KV head SDPA's CPU kernel spends most of its time
+  on overhead, and the gather copies every page once per layer.
+- Prefill: in bf16 on a CPU with AVX-512 BF16, ``prefill_attention_cpu.c`` (causal, flash
+  style, its dot products the CPU's bf16 instructions; 2-3x SDPA's speed here). Otherwise
+  one SDPA call per sequence, never an ``[S, S]`` score tensor: a prompt with no cached
+  prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt chunk
+  after a prefix gets its keys from the pages plus its own, with a bottom-right causal mask.
+  fp32 (the exactness tests' dtype) always takes SDPA.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class PrefillSequence:
     prefix: int  # tokens already cached
     pages: torch.Tensor | None  # [P] int64 pages holding the prefix
     mask: torch.Tensor | None  # [new, prefix + new] bool, when there is a prefix
+    table: torch.Tensor | None  # the pages as int32 (for the C kernel)
 
 
 def prefill_plan(
@@ -170,12 +172,13 @@ def prefill_plan(
         if end == start:
             continue
         if prefix == 0:
-            sequences.append(PrefillSequence(start, end, 0, None, None))
+            sequences.append(PrefillSequence(start, end, 0, None, None, None))
             continue
         pages = block_tables[b, : -(-prefix // block_size)].long()
         new = torch.arange(end - start)[:, None]
         keys = torch.arange(prefix + end - start)[None, :]
-        sequences.append(PrefillSequence(start, end, prefix, pages, keys <= prefix + new))
+        table = pages.to(torch.int32)
+        sequences.append(PrefillSequence(start, end, prefix, pages, keys <= prefix + new, table))
     return sequences
 
 
@@ -200,7 +203,10 @@ def prefill_attention_cpu(
             x = x.float() * scale.index_select(0, seq.pages)[:, None, :, None]
         return x.to(q.dtype).reshape(-1, num_kv_heads, head_dim)[: seq.prefix]
 
+    native = _native_prefill(q, k, v, k_cache, v_cache)
     for seq in plan:
+        if native and _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out):
+            continue
         keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
         if seq.prefix:
             keys = torch.cat([cached(k_cache, k_scale, seq), keys])
@@ -216,3 +222,40 @@ def prefill_attention_cpu(
         )
         out[seq.start : seq.end] = attended[0].transpose(0, 1)
     return out
+
+
+def _native_prefill(q, k, v, k_cache, v_cache) -> bool:
+    """Whether prefill_attention_cpu.c takes this batch: bf16 throughout (its dot products
+    are the CPU's bf16 instructions), a head_dim of 32s, heads D apart in every row."""
+    lib = cpu_native.library()
+    head_dim = q.shape[2]
+    return (
+        lib is not None
+        and bool(lib.prefill_attention_bf16_available())
+        and all(t.dtype == torch.bfloat16 for t in (q, k, v, k_cache, v_cache))
+        and head_dim % 32 == 0
+        and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out) -> bool:
+    """One sequence through the C kernel into out's rows; False (nothing written) where it
+    declined, so the caller runs SDPA."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    table = seq.table
+    if table is not None and table.numel() and int(table.max()) >= num_blocks:
+        raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
+    q_rows, k_rows, v_rows = q[seq.start :], k[seq.start :], v[seq.start :]
+    status = cpu_native.library().prefill_attention_bf16(
+        q_rows.data_ptr(), q.stride(0), k_rows.data_ptr(), k.stride(0),
+        v_rows.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        table.data_ptr() if table is not None else None, block_size,
+        seq.end - seq.start, seq.prefix, num_q_heads, num_kv_heads, head_dim, softmax_scale,
+        out[seq.start :].data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -1:
+        raise MemoryError("prefill attention could not allocate its scratch memory")
+    return status == 0

@@ -26,7 +26,10 @@ from engine.cpu_gemm import cpu_signature, plan_cache_dir
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "kv_codec_cpu.c", _HERE / "attention_cpu.c", _HERE / "fused_cpu.c")
+SOURCES = tuple(
+    _HERE / name
+    for name in ("kv_codec_cpu.c", "attention_cpu.c", "prefill_attention_cpu.c", "fused_cpu.c")
+)
 HEADERS = (_HERE / "cpu_native.h",)
 # Bit-exact IEEE arithmetic as torch does it: no -ffast-math, no fused multiply-adds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
@@ -88,6 +91,13 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
         ctypes.c_float, ptr, i32,
     ]  # fmt: skip
     lib.paged_decode_attention.restype = i32
+    lib.prefill_attention_bf16.argtypes = [
+        ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+        ctypes.c_float, ptr, i64, i32,
+    ]  # fmt: skip
+    lib.prefill_attention_bf16.restype = i32
+    lib.prefill_attention_bf16_available.argtypes = []
+    lib.prefill_attention_bf16_available.restype = i32
     lib.rope_and_store.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr,
     ]  # fmt: skip

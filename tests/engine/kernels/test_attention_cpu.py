@@ -1,13 +1,21 @@
-"""The C paged decode attention (engine/kernels/attention_cpu.c) against the torch
-reference, and the SDPA path it replaces where no C compiler is at hand."""
+"""The C attention kernels against the torch references: paged decode attention
+(engine/kernels/attention_cpu.c), bf16 causal prefill (prefill_attention_cpu.c), and the
+SDPA paths they replace where no C compiler (or no AVX-512 BF16) is at hand."""
 
 import pytest
 import torch
 
 from engine.kernels import cpu_attention, cpu_native
-from engine.kernels.cpu_attention import decode_attention_cpu, decode_plan
+from engine.kernels.cpu_attention import (
+    decode_attention_cpu,
+    decode_plan,
+    prefill_attention_cpu,
+    prefill_plan,
+)
 from engine.kernels.decode_attention import decode_attention_reference
+from engine.kernels.prefill_attention import prefill_attention_reference
 from tests.engine.kernels.test_decode_attention import _paged_case
+from tests.engine.kernels.test_prefill_attention import _case
 
 needs_c = pytest.mark.skipif(
     cpu_native.library() is None, reason="no C compiler here: decode attention runs in SDPA"
@@ -86,3 +94,50 @@ def test_without_a_compiler_sdpa_serves_decode(monkeypatch):
     out = decode_attention_cpu(q, k, v, ks, vs, plan, scale)
     expected = decode_attention_reference(q, k, v, ks, vs, tables, ctx, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+needs_bf16_prefill = pytest.mark.skipif(
+    cpu_native.library() is None or not cpu_native.library().prefill_attention_bf16_available(),
+    reason="no AVX-512 BF16 (or no C compiler) here: bf16 prefill attention runs in SDPA",
+)
+
+PREFILL_CASES = [
+    # hq, hkv, d, new lengths, prefix lengths
+    (9, 3, 64, [1, 5, 70], [0, 0, 0]),  # smollm2's heads; rows past a 6-row block
+    (9, 3, 64, [130, 7], [23, 64]),  # a cached prefix, tiles that straddle it
+    (8, 8, 128, [40], [0]),  # no GQA, a long head
+    (4, 2, 32, [200, 3], [0, 150]),
+]
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize("hq, hkv, d, new, prefix", PREFILL_CASES)
+def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, monkeypatch):
+    args, scale = _case(torch.bfloat16, hq, hkv, d, new, prefix)
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    calls = []
+    real = cpu_attention._prefill_attention_native
+    monkeypatch.setattr(
+        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(1) or real(*a)
+    )
+    out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    assert len(calls) == len(new)  # every sequence through the C kernel
+    expected = prefill_attention_reference(*args, scale)  # fp32 throughout
+    assert not out.isnan().any()
+    # SDPA in bf16 is as far from the fp32 reference: both round the probabilities to bf16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16_prefill
+def test_bf16_prefill_is_no_further_from_exact_than_sdpa(monkeypatch):
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [300], [0])
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    expected = prefill_attention_reference(*args, scale).float()
+    native = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    sdpa = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    native_err = (native.float() - expected).abs().max()
+    sdpa_err = (sdpa.float() - expected).abs().max()
+    assert native_err <= sdpa_err * 1.5

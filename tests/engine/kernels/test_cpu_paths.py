@@ -63,8 +63,13 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel-where-it-applies", "sdpa"])
 @pytest.mark.parametrize("dtype, hq, hkv, d, new, prefix, fp8, tol", PREFILL_CASES)
-def test_prefill_attention_cpu_equals_reference(dtype, hq, hkv, d, new, prefix, fp8, tol):
+def test_prefill_attention_cpu_equals_reference(
+    dtype, hq, hkv, d, new, prefix, fp8, tol, native, monkeypatch
+):
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
     args, scale = _case(dtype, hq, hkv, d, new, prefix, fp8=fp8)
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
