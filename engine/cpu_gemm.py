@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine.kernels.fused_cpu import silu_mul_native
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 T = TypeVar("T")
 PLAN_FORMAT = 2  # part of the cache key: plans measured before "onednn-packed" existed are stale
@@ -144,6 +146,9 @@ class GemmPlan:
         out = self.backend_for(x.shape[0])(x, weight, bias)
         if activation is None:
             return out
+        fused = silu_mul_native(out)  # bf16/fp16: one C pass
+        if fused is not None:
+            return fused
         gate, up = out.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 

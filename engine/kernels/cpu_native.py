@@ -21,8 +21,6 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-from engine.cpu_gemm import cpu_signature, plan_cache_dir
-
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -58,6 +56,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def _build_and_load(compiler: str) -> ctypes.CDLL | None:
+    # Here, not at the top: cpu_gemm runs its SiLU through these kernels.
+    from engine.cpu_gemm import cpu_signature, plan_cache_dir
+
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + cpu_signature().encode() + " ".join((*FLAGS, OPENMP)).encode())
     directory = plan_cache_dir().parent / "native"
@@ -99,9 +100,13 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.prefill_attention_bf16_available.argtypes = []
     lib.prefill_attention_bf16_available.restype = i32
     lib.rope_and_store.argtypes = [
-        ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr,
+        ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i32,
     ]  # fmt: skip
     lib.rope_and_store.restype = None
-    lib.rmsnorm_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, ptr, ptr]
+    lib.rmsnorm_rows.argtypes = [
+        ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_float, i32, ptr, ptr, i32,
+    ]  # fmt: skip
     lib.rmsnorm_rows.restype = None
+    lib.silu_mul_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, i32]
+    lib.silu_mul_rows.restype = None
     return lib

@@ -1,16 +1,22 @@
 // Fused elementwise steps of a decoder layer on CPU, each one C call where torch runs
-// several small ops: RoPE with the KV store, and RMSNorm with its residual add. The C twins
-// of engine.rope.apply_rotary + kv_store.store_kv_cpu and of rmsnorm.rmsnorm_reference;
+// several small ops: RoPE with the KV store, RMSNorm with its residual add, SiLU-and-mul. The C twins
+// of engine.rope.apply_rotary + kv_store.store_kv_cpu, rmsnorm.rmsnorm_reference and
+// silu_mul.silu_mul_reference;
 // tests/engine/kernels/test_fused_cpu.py holds them to those.
 //
 // dtype codes as in cpu_native.h (0 float32, 1 float16, 2 bfloat16). Every product and sum
 // is rounded to the dtype where torch's op would round it, so RoPE and the store are their
-// torch versions bit for bit; RMSNorm's mean sums in another order than torch's reduction
-// (so it may differ in the last bit of fp32 before the rounding to the dtype).
+// torch versions bit for bit; RMSNorm's mean sums in another order than torch's reduction,
+// and SiLU's exp is not torch's, so those may differ in the last bit of fp32 before the
+// rounding to the dtype.
 
 #include "cpu_native.h"
 
 #define LANES 16
+// Rows from which a call is shared among `threads` OpenMP threads (the caller passes
+// torch's intra-op count; see attention_cpu.c on why never OpenMP's default): below it
+// the team's start costs more than it saves.
+#define PARALLEL_ROWS 64
 
 static inline float load(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return ((const float *)p)[i];
@@ -40,9 +46,13 @@ static inline size_t element_size(int dtype) { return dtype == 0 ? 4 : 2; }
 INLINE void rope_head(const int dtype, const void *x, const void *cos, const void *sin,
                       int64_t D, void *out) {
     const int64_t half = D / 2;
-    for (int64_t d = 0; d < D; d++) {
-        const float swapped = load(x, dtype, d < half ? d + half : d - half);
-        const float a = round_to(swapped * load(sin, dtype, d), dtype);
+    for (int64_t d = 0; d < half; d++) {  // the halves apart: each loop vectorises
+        const float a = round_to(load(x, dtype, d + half) * load(sin, dtype, d), dtype);
+        const float b = round_to(load(x, dtype, d) * load(cos, dtype, d), dtype);
+        store(out, dtype, d, a + b);
+    }
+    for (int64_t d = half; d < D; d++) {
+        const float a = round_to(load(x, dtype, d - half) * load(sin, dtype, d), dtype);
         const float b = round_to(load(x, dtype, d) * load(cos, dtype, d), dtype);
         store(out, dtype, d, a + b);
     }
@@ -51,8 +61,10 @@ INLINE void rope_head(const int dtype, const void *x, const void *cos, const voi
 INLINE void rope_rows(const int dtype, const void *qk, int64_t qk_stride, const void *v,
                       int64_t v_stride, const void *cos, const void *sin, int64_t T,
                       int64_t Hq, int64_t Hkv, int64_t D, void *q_out, void *k_out,
-                      void *k_cache, void *v_cache, const int64_t *slots) {
+                      void *k_cache, void *v_cache, const int64_t *slots, int threads) {
     const size_t size = element_size(dtype);
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)qk + t * qk_stride * size;
         const char *c = (const char *)cos + t * D * size, *s = (const char *)sin + t * D * size;
@@ -97,10 +109,10 @@ INLINE void rmsnorm_row(const int dtype, const void *x, const void *residual,
 void rope_and_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stride,
                     const void *cos, const void *sin, int64_t T, int64_t Hq, int64_t Hkv,
                     int64_t D, int dtype, void *q_out, void *k_out, void *k_cache,
-                    void *v_cache, const int64_t *slots) {
+                    void *v_cache, const int64_t *slots, int threads) {
 #define ROPE_ROWS(DTYPE)                                                                   \
     rope_rows(DTYPE, qk, qk_stride, v, v_stride, cos, sin, T, Hq, Hkv, D, q_out, k_out,  \
-              k_cache, v_cache, slots)
+              k_cache, v_cache, slots, threads)
     if (dtype == 0) ROPE_ROWS(0);
     else if (dtype == 1) ROPE_ROWS(1);
     else ROPE_ROWS(2);
@@ -112,15 +124,68 @@ void rope_and_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_
 //   weight [H] in the dtype; out, new_residual [T, H] contiguous
 void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
                   const void *weight, int64_t T, int64_t H, float eps, int dtype, void *out,
-                  void *new_residual) {
+                  void *new_residual, int threads) {
     const size_t size = element_size(dtype);
-    float scratch[H];  // one row in fp32 (H is a hidden size: a few KiB of stack)
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
+        float scratch[H];  // the row in fp32 (H is a hidden size: a few KiB of stack)
         const char *xt = (const char *)x + t * x_stride * size;
         const char *rt = residual ? (const char *)residual + t * r_stride * size : NULL;
         char *ot = (char *)out + t * H * size, *nt = (char *)new_residual + t * H * size;
         if (dtype == 0) rmsnorm_row(0, xt, rt, weight, H, eps, ot, nt, scratch);
         else if (dtype == 1) rmsnorm_row(1, xt, rt, weight, H, eps, ot, nt, scratch);
         else rmsnorm_row(2, xt, rt, weight, H, eps, ot, nt, scratch);
+    }
+}
+
+// e^x over all of fp32 within ~2 ulp: Cody-Waite reduction to x = n ln2 + f, Cephes'
+// polynomial for e^f, 2^n from its bits; no branches or libm call, so loops vectorise.
+// Past +88.7 it is inf, below -87.3 it is 0.
+static inline float exp_any(float x) {
+    const float clamped = x > 88.7f ? 88.7f : (x < -87.3f ? -87.3f : x);
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const float shifted = clamped * 1.44269504088896341f + shifter;
+    const float n = shifted - shifter;
+    const float f = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * (f * f) + f + 1.0f;
+    // n in [-126, 128]: 2^n in two halves, so that n = 128 (x near 88.7) stays finite
+    const int32_t e = (int32_t)(bits_of(shifted) - bits_of(shifter));
+    const float half = float_of((uint32_t)(e / 2 + 127) << 23);
+    const float rest = float_of((uint32_t)(e - e / 2 + 127) << 23);
+    const float y = p * half * rest;
+    return x > 88.7f ? INFINITY : (x < -87.3f ? 0.0f : y);
+}
+
+INLINE void silu_mul_row(const int dtype, const void *gate, const void *up, int64_t I,
+                         void *out) {
+    for (int64_t i = 0; i < I; i++) {
+        const float g = load(gate, dtype, i);
+        const float silu = round_to(g / (1.0f + exp_any(-g)), dtype);  // torch's form
+        store(out, dtype, i, silu * load(up, dtype, i));
+    }
+}
+
+// out [T, I] = silu(gate) * up from gate_up [T, 2I] (gate columns, then up; rows `stride`
+// apart), HF's act_fn(gate) * up in the dtype: the SiLU in fp32, rounded to the dtype,
+// times up, rounded again. Its exp is this file's, within ~2 ulp of torch's, so a value
+// may round the other way.
+void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, int dtype,
+                   void *out, int threads) {
+    const size_t size = element_size(dtype);
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const char *row = (const char *)gate_up + t * stride * size;
+        char *o = (char *)out + t * I * size;
+        if (dtype == 0) silu_mul_row(0, row, row + I * size, I, o);
+        else if (dtype == 1) silu_mul_row(1, row, row + I * size, I, o);
+        else silu_mul_row(2, row, row + I * size, I, o);
     }
 }

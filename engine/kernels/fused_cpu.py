@@ -1,6 +1,6 @@
 """One C call (``fused_cpu.c``) where the CPU path runs a chain of small torch ops whose
 cost is their count, not their arithmetic: RoPE with the KV store, and RMSNorm with its
-residual add. Each returns None where it does not apply (no C compiler, an fp8 cache, a
+residual add, SiLU-and-mul. Each returns None where it does not apply (no C compiler, an fp8 cache, a
 layout it does not take), and the caller keeps the torch path."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def rope_and_store_cpu(
         qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
         cos.data_ptr(), signed_sin.data_ptr(), tokens, num_q_heads, num_kv_heads, head_dim,
         _C_DTYPES[dtype], q.data_ptr(), k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(),
+        slots.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return q, k
 
@@ -102,6 +102,30 @@ def rmsnorm_native(
         residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0,
         weight.data_ptr(), tokens, hidden, eps, _C_DTYPES[x.dtype], out.data_ptr(),
-        summed.data_ptr() if summed is not None else None,
+        summed.data_ptr() if summed is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     return (out, summed) if residual is not None else out
+
+
+def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu_mul.silu_mul_reference`` ([T, 2I] -> [T, I]) for 16-bit dtypes, where its
+    rounding points decide the result; its exp is not torch's, so a value may round the
+    other way. None for fp32 (torch's op is kept, for the exactness tests) and what it does
+    not take."""
+    lib = cpu_native.library()
+    if (
+        lib is None
+        or gate_up.dim() != 2
+        or gate_up.dtype not in (torch.bfloat16, torch.float16)
+        or gate_up.device.type != "cpu"
+        or gate_up.stride(1) != 1
+        or gate_up.shape[1] % 2
+    ):
+        return None
+    tokens, two_i = gate_up.shape
+    out = torch.empty((tokens, two_i // 2), dtype=gate_up.dtype)
+    lib.silu_mul_rows(
+        gate_up.data_ptr(), gate_up.stride(0), tokens, two_i // 2, _C_DTYPES[gate_up.dtype],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -1,14 +1,16 @@
 """The fused C steps (engine/kernels/fused_cpu.c) against their torch versions: RoPE with
-the KV store bit for bit, RMSNorm with its residual add to the last rounding."""
+the KV store bit for bit, RMSNorm with its residual add and SiLU-and-mul to the last
+rounding."""
 
 import pytest
 import torch
 
 from engine.config import RopeConfig
 from engine.kernels import cpu_native
-from engine.kernels.fused_cpu import rmsnorm_native, rope_and_store_cpu
+from engine.kernels.fused_cpu import rmsnorm_native, rope_and_store_cpu, silu_mul_native
 from engine.kernels.kv_store import store_kv_cpu
 from engine.kernels.rmsnorm import rmsnorm_reference
+from engine.kernels.silu_mul import silu_mul_reference
 from engine.rope import RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.skipif(
@@ -82,3 +84,38 @@ def test_rmsnorm_matches_the_reference(dtype, with_residual):
 def test_rmsnorm_declines_mixed_dtypes():
     x = torch.randn(2, 64).bfloat16()
     assert rmsnorm_native(x, torch.randn(64), 1e-5) is None  # fp32 weight: torch promotes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_matches_the_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(70, 2 * 1536, generator=g) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and signed zeros
+    got = silu_mul_native(gate_up)
+    want = silu_mul_reference(gate_up)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=ulp)
+    assert (got != want).float().mean() < 0.01  # a rare last-bit difference from the exp
+    assert torch.equal(got[0, :4].signbit(), want[0, :4].signbit())
+
+
+def test_silu_mul_keeps_fp32_on_torch():
+    assert silu_mul_native(torch.randn(3, 8)) is None
+
+
+def test_many_rows_split_across_threads_give_the_same_bits():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    r = torch.randn(300, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    gate_up = torch.randn(300, 64, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rmsnorm_native(x, w, 1e-5, r), silu_mul_native(gate_up)
+        torch.set_num_threads(2)
+        two = rmsnorm_native(x, w, 1e-5, r), silu_mul_native(gate_up)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0][0], two[0][0]) and torch.equal(one[0][1], two[0][1])
+    assert torch.equal(one[1], two[1])
