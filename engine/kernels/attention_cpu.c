@@ -141,26 +141,12 @@ static void store_row(const float *restrict x, int dtype, int64_t D, void *dst) 
     }
 }
 
-static size_t element_size(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 : 2); }
-
-// exp(x) for x <= 0 (x = score - max), within ~2 ulp: Cody-Waite reduction to
-// x = n ln2 + f, |f| <= ln2 / 2, and Cephes' polynomial for e^f; no branches or libm call,
-// so the loop calling it vectorises. Below -87 (e^x under the smallest normal) it is 0.
+// exp(x) for x <= 0 (x = score - max), within ~2 ulp (cpu_native.h's exp_reduced). Below
+// -87 (e^x under the smallest normal) it is 0.
 static inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const float shifted = clamped * 1.44269504088896341f + shifter;
-    const float n = shifted - shifter;
-    const float f = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * (f * f) + f + 1.0f;
-    const int32_t exponent = (int32_t)(bits_of(shifted) - bits_of(shifter)) + 127;
-    const float two_n = float_of((uint32_t)exponent << 23);
+    int32_t n;
+    const float p = exp_reduced(x < -87.0f ? -87.0f : x, &n);
+    const float two_n = float_of((uint32_t)(n + 127) << 23);
     return x < -87.0f ? 0.0f : p * two_n;
 }
 

@@ -32,8 +32,6 @@ from engine.kernels import cpu_native
 from engine.kernels.decode_attention import check_decode_args
 from engine.kernels.fp8 import FP8_DTYPE
 
-_C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8_DTYPE: 3}  # cpu_native.h
-
 
 @dataclass(frozen=True)
 class GatherPlan:
@@ -113,8 +111,8 @@ def _decode_attention_native(q, k_cache, v_cache, k_scale, v_scale, plan, softma
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype)
     failed = cpu_native.library().paged_decode_attention(
-        q.data_ptr(), _C_DTYPES[q.dtype], q.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), _C_DTYPES[k_cache.dtype],
+        q.data_ptr(), cpu_native.C_DTYPES[q.dtype], q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), cpu_native.C_DTYPES[k_cache.dtype],
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
         plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.context_lens.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, softmax_scale, out.data_ptr(),

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -88,4 +89,25 @@ static inline float from_e4m3(uint8_t x) {
 static inline uint16_t float_to_bf16(float f) {
     const uint32_t u = bits_of(f);
     return f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+static inline size_t element_size(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 : 2); }
+
+// e^x = 2^n e^f for x already clamped to fp32's normal range: Cody-Waite reduction to
+// x = n ln2 + f, |f| <= ln2 / 2, and Cephes' polynomial for e^f, within ~2 ulp. Returns e^f
+// and sets *n; no branches or libm call, so the loops calling it vectorise. The callers
+// make 2^n and handle the range ends.
+static inline float exp_reduced(float clamped, int32_t *n) {
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const float shifted = clamped * 1.44269504088896341f + shifter;
+    const float whole = shifted - shifter;
+    const float f = (clamped - whole * 0.693359375f) - whole * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    *n = (int32_t)(bits_of(shifted) - bits_of(shifter));
+    return p * (f * f) + f + 1.0f;
 }

@@ -1,8 +1,9 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
 ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
-paged decode attention, RoPE with the KV store, RMSNorm).
+paged decode and bf16 prefill attention, RoPE with the KV store, RMSNorm, SiLU-and-mul).
 
-The library is compiled once per machine (``-march=native``: it runs where it was built)
+An engine builds it while it loads (``load_shard``); other callers on first use. It is
+compiled once per machine (``-march=native``: it runs where it was built)
 into the pdcluster cache, under a file lock so that replicas starting together build it
 once, and keyed by its source and the CPU. Without a C compiler, or if the build fails,
 ``library()`` returns None and callers keep the torch reference (logged once); set
@@ -21,7 +22,12 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+# The dtype codes the kernels take (cpu_native.h).
+C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(

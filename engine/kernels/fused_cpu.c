@@ -37,8 +37,6 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
     else ((uint16_t *)p)[i] = float_to_bf16(x);
 }
 
-static inline size_t element_size(int dtype) { return dtype == 0 ? 4 : 2; }
-
 #define INLINE static inline __attribute__((always_inline))
 
 // One head: out = round(round(swap(x) * signed_sin) + round(x * cos)), swap(x) = (x2, x1).
@@ -139,24 +137,12 @@ void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t
     }
 }
 
-// e^x over all of fp32 within ~2 ulp: Cody-Waite reduction to x = n ln2 + f, Cephes'
-// polynomial for e^f, 2^n from its bits; no branches or libm call, so loops vectorise.
-// Past +88.7 it is inf, below -87.3 it is 0.
+// e^x over all of fp32 within ~2 ulp (cpu_native.h's exp_reduced). Past +88.7 it is inf,
+// below -87.3 it is 0.
 static inline float exp_any(float x) {
-    const float clamped = x > 88.7f ? 88.7f : (x < -87.3f ? -87.3f : x);
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const float shifted = clamped * 1.44269504088896341f + shifter;
-    const float n = shifted - shifter;
-    const float f = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * (f * f) + f + 1.0f;
-    // n in [-126, 128]: 2^n in two halves, so that n = 128 (x near 88.7) stays finite
-    const int32_t e = (int32_t)(bits_of(shifted) - bits_of(shifter));
+    int32_t e;
+    const float p = exp_reduced(x > 88.7f ? 88.7f : (x < -87.3f ? -87.3f : x), &e);
+    // e in [-126, 128]: 2^e in two halves, so that e = 128 (x near 88.7) stays finite
     const float half = float_of((uint32_t)(e / 2 + 127) << 23);
     const float rest = float_of((uint32_t)(e - e / 2 + 127) << 23);
     const float y = p * half * rest;

@@ -1,7 +1,7 @@
 """One C call (``fused_cpu.c``) where the CPU path runs a chain of small torch ops whose
-cost is their count, not their arithmetic: RoPE with the KV store, and RMSNorm with its
-residual add, SiLU-and-mul. Each returns None where it does not apply (no C compiler, an fp8 cache, a
-layout it does not take), and the caller keeps the torch path."""
+cost is their count, not their arithmetic: RoPE with the KV store, RMSNorm with its
+residual add, and SiLU-and-mul. Each returns None where it does not apply (no C compiler,
+an fp8 cache, a layout it does not take), and the caller keeps the torch path."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import cpu_native
 
-_C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # cpu_native.h
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def rope_and_store_cpu(
@@ -30,7 +30,7 @@ def rope_and_store_cpu(
     num_kv_heads = heads - num_q_heads
     if (
         lib is None
-        or dtype not in _C_DTYPES
+        or dtype not in _FUSED_DTYPES
         or qk.device.type != "cpu"
         or k_cache.dtype != dtype
         or v_cache.dtype != dtype
@@ -66,7 +66,7 @@ def rope_and_store_cpu(
     lib.rope_and_store(
         qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
         cos.data_ptr(), signed_sin.data_ptr(), tokens, num_q_heads, num_kv_heads, head_dim,
-        _C_DTYPES[dtype], q.data_ptr(), k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        cpu_native.C_DTYPES[dtype], q.data_ptr(), k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slots.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return q, k
@@ -84,7 +84,7 @@ def rmsnorm_native(
     if (
         lib is None
         or x.dim() != 2
-        or x.dtype not in _C_DTYPES
+        or x.dtype not in _FUSED_DTYPES
         or x.device.type != "cpu"
         or weight.dtype != x.dtype
         or weight.shape != (x.shape[1],)
@@ -101,7 +101,7 @@ def rmsnorm_native(
         x.data_ptr(), x.stride(0),
         residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0,
-        weight.data_ptr(), tokens, hidden, eps, _C_DTYPES[x.dtype], out.data_ptr(),
+        weight.data_ptr(), tokens, hidden, eps, cpu_native.C_DTYPES[x.dtype], out.data_ptr(),
         summed.data_ptr() if summed is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     return (out, summed) if residual is not None else out
@@ -125,7 +125,7 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor | None:
     tokens, two_i = gate_up.shape
     out = torch.empty((tokens, two_i // 2), dtype=gate_up.dtype)
     lib.silu_mul_rows(
-        gate_up.data_ptr(), gate_up.stride(0), tokens, two_i // 2, _C_DTYPES[gate_up.dtype],
+        gate_up.data_ptr(), gate_up.stride(0), tokens, two_i // 2, cpu_native.C_DTYPES[gate_up.dtype],
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -29,7 +29,6 @@ from engine.kernels.fp8 import (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kv_codec_cpu.c's codes
 
 # Module-level constants are visible to jit functions only as tl.constexpr globals.
 FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -195,7 +194,7 @@ def quantize_kv_blocks_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     q = torch.empty(x.shape, dtype=FP8_DTYPE)
     scale = torch.empty((n, num_heads), dtype=torch.float32)
     cpu_native.library().quantize_kv_blocks(
-        x.data_ptr(), _C_DTYPES[x.dtype], n, block_size, num_heads, head_dim,
+        x.data_ptr(), cpu_native.C_DTYPES[x.dtype], n, block_size, num_heads, head_dim,
         q.data_ptr(), scale.data_ptr(),
     )  # fmt: skip
     return q, scale
@@ -273,7 +272,7 @@ def dequantize_kv_blocks_cpu(
     out = torch.empty(q_fp8.shape, dtype=dtype)
     cpu_native.library().dequantize_kv_blocks(
         q_fp8.data_ptr(), scale.data_ptr(), n, block_size, num_heads, head_dim,
-        out.data_ptr(), _C_DTYPES[dtype],
+        out.data_ptr(), cpu_native.C_DTYPES[dtype],
     )  # fmt: skip
     return out
 
