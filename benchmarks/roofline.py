@@ -69,7 +69,13 @@ def prefill_flops(config: ModelConfig, prompt_lens: list[int]) -> float:
     return per_token * sum(prompt_lens) + attention + head
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes one decode step reads: every weight once (a tied embedding is read whole by the
-    LM head; the rotary tables are buffers, not weights)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model: torch.nn.Module, plan=None, rows: int = 1) -> int:
+    """Bytes one decode step of ``rows`` tokens reads: every weight once (a tied embedding is
+    read whole by the LM head; the rotary tables are buffers, not weights), as its GGUF
+    blocks where the CPU GEMM ``plan`` runs that row count on them."""
+    on_blocks = plan is not None and plan.choice_for(rows) == "gguf"
+    total = 0
+    for p in model.parameters():
+        blocks = plan.quantized.blocks.get(p) if on_blocks else None
+        total += blocks.nbytes if blocks is not None else p.numel() * p.element_size()
+    return total

@@ -96,6 +96,18 @@ class Checkpoint:
         fill_weights(model, readers, len(tensors), TINY_NAME, layout, progress=False)
         return model.eval()
 
+    def gemm_blocks(self, model: LlamaModel) -> list:
+        """(dense weight, GGUF blocks) for the GEMM weights of a whole fp32 model loaded from
+        a GGUF file (engine.quantized_weights); empty for any other model."""
+        if self._gguf is None or model.embed_weight.dtype != torch.float32:
+            return []
+        if model.embed_weight.device.type != "cpu" or model.tp.size != 1:
+            return []
+        from engine.quantized_weights import gguf_gemm_blocks
+
+        with torch.inference_mode():
+            return gguf_gemm_blocks(self._gguf, model)
+
     def tokenizer(self) -> Tokenizer:
         if self.path is None:
             return tiny_tokenizer()

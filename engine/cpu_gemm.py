@@ -11,7 +11,10 @@ each library on its own weights once, at start-up (``GemmPlan.measure``), for ea
 row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row count.
 
 A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
-the weights of several layers, so each is read cold as in a real decode step.
+the weights of several layers, so each is read cold as in a real decode step. A GGUF model's
+weights may also run on their GGUF blocks ("gguf", engine.kernels.quantized_cpu: a fifth to
+an eighth of the bytes); the plan times that too, and keeps a dense choice per row count for
+the weights without blocks.
 
 The plan is measured once per machine and model shape and kept on disk (``cached_plan``):
 every replica on a machine then computes with the same libraries, so their results round
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.kernels.fused_cpu import silu_mul_native
+from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 T = TypeVar("T")
@@ -83,13 +87,36 @@ class PackedOneDNN:
         return packed
 
 
-# Stateless backends; "onednn-packed" holds packings, so each GemmPlan has its own.
+class QuantizedGemm:
+    """GEMMs on GGUF blocks for the weights that have them (given once, at load) and fp32
+    inputs; ``__call__`` returns None for any other, and the plan runs it dense."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, QuantizedWeight]] = ()) -> None:
+        self.blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for weight, blocks in pairs:
+            self.blocks[weight] = blocks
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        blocks = self.blocks.get(weight)
+        return None if blocks is None else quantized_linear(x, blocks, bias)
+
+    def describe(self) -> str:
+        """What the plan key holds of them: each weight's block type and shape."""
+        return ",".join(
+            sorted(f"{b.kind}:{b.out_features}x{b.in_features}" for b in self.blocks.values())
+        )
+
+
+# Stateless backends; "onednn-packed" holds packings and "gguf" blocks, so each GemmPlan has
+# its own.
 BACKENDS: dict[str, Callable] = {
     "torch": _torch_linear,
     "onednn": _onednn_linear,
     "openblas": _openblas_linear,
 }
-BACKEND_NAMES = (*BACKENDS, "onednn-packed")
+BACKEND_NAMES = (*BACKENDS, "onednn-packed", "gguf")
 
 
 def available_backends(dtype: torch.dtype, threads: int) -> list[str]:
@@ -110,29 +137,52 @@ class GemmPlan:
     last bucket's choice). Built once per replica; read by every linear layer."""
 
     choices: dict[int, str] = field(default_factory=dict)  # bucket → backend name
+    # bucket → the dense backend for weights without GGUF blocks (where the choice is "gguf")
+    dense_choices: dict[int, str] = field(default_factory=dict)
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
     packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
+    quantized: QuantizedGemm = field(default_factory=QuantizedGemm, repr=False)
 
     def __post_init__(self) -> None:
-        unknown = set(self.choices.values()) - set(BACKEND_NAMES)
+        named = {*self.choices.values(), *self.dense_choices.values()}
+        unknown = named - set(BACKEND_NAMES)
         if unknown:
             raise ValueError(f"unknown CPU GEMM backend(s) {sorted(unknown)}: {BACKEND_NAMES}")
+        if "gguf" in self.dense_choices.values():
+            raise ValueError("a dense choice cannot be 'gguf'")
 
     def prepare(self, weights: Sequence[torch.Tensor]) -> None:
         """Pack the weights now if any row count runs on packed weights (at start-up: else
         the first request would pay ~1 ms per weight)."""
-        if "onednn-packed" in self.choices.values():
+        if "onednn-packed" in {*self.choices.values(), *self.dense_choices.values()}:
             for weight in weights:
                 self.packed.pack(weight)
 
     def backend(self, name: str) -> Callable:
+        if name == "gguf":
+            raise ValueError("'gguf' runs through GemmPlan.gemm, which falls back to dense")
         return self.packed if name == "onednn-packed" else BACKENDS[name]
 
-    def backend_for(self, rows: int) -> Callable:
+    def choice_for(self, rows: int, dense: bool = False) -> str:
+        choices = self.dense_choices if dense else self.choices
         for bucket in BUCKETS:
             if rows <= bucket:
-                return self.backend(self.choices.get(bucket, "torch"))
-        return self.backend(self.choices.get(BUCKETS[-1], "torch"))
+                break
+        chosen = choices.get(bucket) or self.choices.get(bucket, "torch")
+        return "torch" if dense and chosen == "gguf" else chosen
+
+    def gemm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` through the plan's backend for x's row count."""
+        rows = x.shape[0]
+        name = self.choice_for(rows)
+        if name == "gguf":
+            out = self.quantized(x, weight, bias)
+            if out is not None:
+                return out
+            name = self.choice_for(rows, dense=True)
+        return self.backend(name)(x, weight, bias)
 
     def linear(
         self,
@@ -143,7 +193,7 @@ class GemmPlan:
     ) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, then silu(gate) * up for ``activation="silu_mul"``;
         x is [rows, in]."""
-        out = self.backend_for(x.shape[0])(x, weight, bias)
+        out = self.gemm(x, weight, bias)
         if activation is None:
             return out
         fused = silu_mul_native(out)  # bf16/fp16: one C pass
@@ -159,13 +209,16 @@ class GemmPlan:
         *,
         buckets: Sequence[int] = BUCKETS,
         cold_layers: int = 8,
+        quantized: QuantizedGemm | None = None,
     ) -> GemmPlan:
         """Time every available backend on ``weights`` (one layer's GEMM weights after
-        another, as a forward reads them) at each bucket's row count; keep the fastest.
+        another, as a forward reads them) at each bucket's row count; keep the fastest, and
+        the fastest dense one. "gguf" is timed where ``quantized`` holds every swept
+        weight's blocks.
 
         Small row counts are memory-bound and sweep up to ``cold_layers`` layers' weights
         so the caches do not flatter them; large ones are compute-bound and sweep fewer."""
-        plan = cls()
+        plan = cls(quantized=quantized or QuantizedGemm())
         dtype = weights[0].dtype
         names = available_backends(dtype, torch.get_num_threads())
         sizes = sorted({w.shape[1] for w in weights})
@@ -180,8 +233,14 @@ class GemmPlan:
                 except RuntimeError:  # e.g. oneDNN without support for this dtype here
                     continue
                 timings[name] = best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
+            dense = min(timings, key=timings.get)
+            if all(plan.quantized(inputs[w.shape[1]][:1], w, None) is not None for w in sweep):
+                timings["gguf"] = best_ms(
+                    lambda q=plan.quantized, s=sweep, x=inputs: _sweep(q, s, x)
+                )
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
+            plan.dense_choices[rows] = dense
         return plan  # with the sweep's packings: they are the model's weights, packed
 
     def describe(self) -> str:
@@ -195,18 +254,32 @@ def plan_cache_dir() -> Path:
     )
 
 
-def cached_plan(weights: Sequence[torch.Tensor], directory: Path | None = None) -> GemmPlan:
-    """The plan for these weights on this machine at the current thread count: read from
-    the cache, or measured and stored."""
+def cached_plan(
+    weights: Sequence[torch.Tensor],
+    directory: Path | None = None,
+    quantized: QuantizedGemm | None = None,
+) -> GemmPlan:
+    """The plan for these weights (and their GGUF blocks, if any) on this machine at the
+    current thread count: read from the cache, or measured and stored."""
+    quantized = quantized or QuantizedGemm()
 
     def measure() -> tuple[dict, GemmPlan]:
-        plan = GemmPlan.measure(weights)
-        return {"choices": plan.choices, "timings_ms": plan.timings_ms}, plan
+        plan = GemmPlan.measure(weights, quantized=quantized)
+        data = {
+            "choices": plan.choices,
+            "dense_choices": plan.dense_choices,
+            "timings_ms": plan.timings_ms,
+        }
+        return data, plan
 
     def parse(data: dict) -> GemmPlan:
-        return GemmPlan(choices={int(k): v for k, v in data["choices"].items()})
+        return GemmPlan(
+            choices={int(k): v for k, v in data["choices"].items()},
+            dense_choices={int(k): v for k, v in data.get("dense_choices", {}).items()},
+            quantized=quantized,
+        )
 
-    path = (directory or plan_cache_dir()) / f"{_plan_key(weights)}.json"
+    path = (directory or plan_cache_dir()) / f"{_plan_key(weights, quantized)}.json"
     return cached_measurement(path, measure, parse)
 
 
@@ -230,8 +303,9 @@ def cached_measurement(
         return value
 
 
-def _plan_key(weights: Sequence[torch.Tensor]) -> str:
-    """What a plan depends on: the CPU, torch, the thread count, the weights' shapes."""
+def _plan_key(weights: Sequence[torch.Tensor], quantized: QuantizedGemm) -> str:
+    """What a plan depends on: the CPU, torch, the thread count, the weights' shapes and
+    block types."""
     parts = [
         platform.machine(),
         cpu_signature(),  # its instruction sets too
@@ -240,6 +314,7 @@ def _plan_key(weights: Sequence[torch.Tensor]) -> str:
         str(torch.get_num_threads()),
         str(weights[0].dtype),
         ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights),
+        *([f"gguf {quantized.describe()}"] if quantized.blocks else []),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.kernels.quantized_cpu import KINDS, QuantizedWeight
 
 # GGUF architecture → the Hugging Face architecture the engine implements for it.
 GGUF_ARCHITECTURES = {
@@ -160,6 +161,27 @@ class GGUFFile:
             if name.startswith("blk.") and ".attn_k." in name:
                 return _unpermute_rows(tensor, config.num_kv_heads)
         return tensor
+
+    def quantized(self, name: str, config: ModelConfig) -> QuantizedWeight | None:
+        """One 2-D tensor as its blocks, rows in Hugging Face order (Q/K unpermuted), for the
+        block types the quantised GEMM takes (engine.kernels.quantized_cpu.KINDS); None for
+        any other type."""
+        from gguf import GGMLQuantizationType
+
+        tensor = self._tensors[name]
+        kind = GGMLQuantizationType(tensor.tensor_type).name
+        if kind not in KINDS or len(tensor.shape) != 2:
+            return None
+        in_features = int(tensor.shape[0])
+        # a copy: the memory map is read-only, and the blocks outlive this reader
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C"))
+        blocks = blocks.reshape(int(tensor.shape[1]), -1)
+        if self.architecture in _PERMUTED_QK and name.startswith("blk."):
+            if ".attn_q." in name:
+                blocks = _unpermute_rows(blocks, config.num_heads)
+            elif ".attn_k." in name:
+                blocks = _unpermute_rows(blocks, config.num_kv_heads)
+        return QuantizedWeight(kind, blocks.contiguous(), in_features)
 
     def dequantized(self, name: str) -> torch.Tensor:
         """One tensor as fp32, in torch's (rows, columns) order."""

@@ -23,7 +23,7 @@ import torch
 from engine.block_manager import BlockManager, kv_cache_misfit
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
-from engine.cpu_gemm import GemmPlan, cached_plan, limit_blas_threads
+from engine.cpu_gemm import GemmPlan, QuantizedGemm, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
 from engine.kernels import cpu_native
@@ -77,15 +77,17 @@ class LayerCallbacks:
     rank_data: Any = None
 
 
-def cpu_gemm_plan(model, choice: str) -> GemmPlan:
-    """The GEMM backend per row count: for "auto", measured on this machine (once: cached)."""
+def cpu_gemm_plan(model, choice: str, quantized: QuantizedGemm | None = None) -> GemmPlan:
+    """The GEMM backend per row count: for "auto", measured on this machine (once: cached).
+    ``quantized``: the GGUF blocks of the model's weights, if it has any."""
     limit_blas_threads(torch.get_num_threads())
+    quantized = quantized or QuantizedGemm()
     if choice != "auto":
         from engine.cpu_gemm import BUCKETS
 
-        return GemmPlan(choices=dict.fromkeys(BUCKETS, choice))
+        return GemmPlan(choices=dict.fromkeys(BUCKETS, choice), quantized=quantized)
     with torch.inference_mode():
-        plan = cached_plan(model.gemm_weights())
+        plan = cached_plan(model.gemm_weights(), quantized=quantized)
     logger.info("CPU GEMM plan (rows: backend): %s", plan.describe())
     return plan
 
@@ -107,7 +109,8 @@ def load_shard(
     )
     if device.type != "cpu":
         return model, None
-    plan = cpu_gemm_plan(model, config.cpu_gemm)
+    quantized = QuantizedGemm(checkpoint.gemm_blocks(model) if tp.size == 1 else ())
+    plan = cpu_gemm_plan(model, config.cpu_gemm, quantized)
     with torch.inference_mode():
         plan.prepare(model.gemm_weights())
     model.use_linear(plan.linear)

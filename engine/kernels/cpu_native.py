@@ -1,6 +1,7 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
 ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
-paged decode and bf16 prefill attention, RoPE with the KV store, RMSNorm, SiLU-and-mul).
+paged decode and bf16 prefill attention, RoPE with the KV store, RMSNorm, SiLU-and-mul,
+GEMMs on GGUF-quantised weights).
 
 An engine builds it while it loads (``load_shard``); other callers on first use. It is
 compiled once per machine (``-march=native``: it runs where it was built)
@@ -32,7 +33,13 @@ C_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / name
-    for name in ("kv_codec_cpu.c", "attention_cpu.c", "prefill_attention_cpu.c", "fused_cpu.c")
+    for name in (
+        "kv_codec_cpu.c",
+        "attention_cpu.c",
+        "prefill_attention_cpu.c",
+        "fused_cpu.c",
+        "quantized_cpu.c",
+    )
 )
 HEADERS = (_HERE / "cpu_native.h",)
 # Bit-exact IEEE arithmetic as torch does it: no -ffast-math, no fused multiply-adds.
@@ -115,4 +122,8 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.rmsnorm_rows.restype = None
     lib.silu_mul_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, i32]
     lib.silu_mul_rows.restype = None
+    lib.quantized_linear.argtypes = [ptr, i32, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
+    lib.quantized_linear.restype = i32
+    lib.quantized_dequantize.argtypes = [ptr, i32, i64, i64, ptr, i32]
+    lib.quantized_dequantize.restype = i32
     return lib

@@ -147,3 +147,23 @@ def test_not_a_gguf_and_missing_file(tmp_path):
         LLM(tmp_path / "junk.gguf", progress=False)
     with pytest.raises(CheckpointError, match="not found"):
         LLM(tmp_path / "absent.gguf", progress=False)
+
+
+@pytest.mark.parametrize("tensor_type, paired", [("Q4_1", True), ("Q8_0", True), ("Q4_K", False)])
+def test_every_gemm_weight_keeps_its_blocks_where_the_quantised_gemm_takes_them(
+    tmp_path, tensor_type, paired
+):
+    from engine.kernels import cpu_native
+    from engine.quantized_weights import gguf_gemm_blocks
+
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler here: GEMMs stay dense")
+    path = write_gguf(tmp_path / "m.gguf", arch="llama", tensor_type=tensor_type)
+    checkpoint = Checkpoint(path)
+    model = checkpoint.load_model(torch.float32, torch.device("cpu"), 256, progress=False)
+    pairs = gguf_gemm_blocks(checkpoint._gguf, model)
+    assert len(pairs) == (len(model.gemm_weights()) if paired else 0)
+    for weight, blocks in pairs:  # Q/K rows unpermuted, parts fused, as the dense weights
+        assert blocks.kind == tensor_type and blocks.out_features == weight.shape[0]
+    bf16 = checkpoint.load_model(torch.bfloat16, torch.device("cpu"), 256, progress=False)
+    assert checkpoint.gemm_blocks(bf16) == []  # the kernel takes fp32 activations only
