@@ -53,6 +53,9 @@ def add_engine_bench_parser(benches, default_model: str, model_help: str) -> Non
         default=1,
         help="also measure the engine split over N ranks (next to tp 1, same run)",
     )
+    p.add_argument(
+        "--no-gguf-gemm", action="store_true", help="dense GEMMs only (engine.gguf_gemm: false)"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--json-out", default=None, help="also write the results as JSON here")
     p.set_defaults(func=run_engine_benchmark)
@@ -118,6 +121,7 @@ def _engine(args, concurrencies, prefill_shapes, tp: int = 1) -> LLM:
         max_num_batched_tokens=max(8192, longest),
         num_kv_blocks=_blocks_needed(args, concurrencies, prefill_shapes),
         tensor_parallel_size=tp,
+        gguf_gemm=not args.no_gguf_gemm,
     )
 
 

@@ -240,6 +240,9 @@ class EngineConfig:
     # CPU GEMM library: auto = the fastest per row count, measured at start-up
     # (engine.cpu_gemm); or torch, onednn, onednn-packed, openblas for every GEMM.
     cpu_gemm: str = "auto"
+    # CPU, fp32, GGUF Q4_0/Q4_1/Q8_0 models: keep each GEMM weight's blocks too, and let the
+    # plan run a row count on them where measured faster (engine.kernels.quantized_cpu)
+    gguf_gemm: bool = True
     # CUDA: capture the decode forward as CUDA graphs at start-up (False: always eager)
     cuda_graphs: bool = True
     # ranks of one replica, each holding 1/t of the heads and MLP (engine.tensor_parallel)

@@ -167,3 +167,8 @@ def test_every_gemm_weight_keeps_its_blocks_where_the_quantised_gemm_takes_them(
         assert blocks.kind == tensor_type and blocks.out_features == weight.shape[0]
     bf16 = checkpoint.load_model(torch.bfloat16, torch.device("cpu"), 256, progress=False)
     assert checkpoint.gemm_blocks(bf16) == []  # the kernel takes fp32 activations only
+    if paired:
+        on = LLM(path, num_kv_blocks=16, progress=False, dtype="float32")
+        off = LLM(path, num_kv_blocks=16, progress=False, dtype="float32", gguf_gemm=False)
+        assert len(on.engine.gemm_plan.quantized.blocks) == len(pairs)
+        assert len(off.engine.gemm_plan.quantized.blocks) == 0

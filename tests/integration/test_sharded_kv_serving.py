@@ -88,8 +88,8 @@ def wait_replaced(cluster, pool: str, old_info: dict, count: int) -> dict:
         handles = {n: h for n, h in cluster.workers().items() if n.startswith(pool)}
         try:
             now = {n: ray.get(h.info.remote(), timeout=10) for n, h in handles.items()}
-        except ray.exceptions.RayActorError:
-            now = {}
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            now = {}  # the old actor is ending, or the new one still loading
         pids = [info["tensor_parallel"]["rank_pids"][0] for info in now.values()]
         if len(now) == count and old_pid not in pids:
             return now
