@@ -234,7 +234,7 @@ class GemmPlan:
                     continue
                 timings[name] = best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
             dense = min(timings, key=timings.get)
-            if all(plan.quantized(inputs[w.shape[1]][:1], w, None) is not None for w in sweep):
+            if all(w in plan.quantized.blocks for w in sweep):
                 timings["gguf"] = best_ms(
                     lambda q=plan.quantized, s=sweep, x=inputs: _sweep(q, s, x)
                 )

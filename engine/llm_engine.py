@@ -109,8 +109,7 @@ def load_shard(
     )
     if device.type != "cpu":
         return model, None
-    blocks = checkpoint.gemm_blocks(model) if config.gguf_gemm and tp.size == 1 else []
-    quantized = QuantizedGemm(blocks)
+    quantized = QuantizedGemm(checkpoint.gemm_blocks(model) if config.gguf_gemm else ())
     plan = cpu_gemm_plan(model, config.cpu_gemm, quantized)
     with torch.inference_mode():
         plan.prepare(model.gemm_weights())

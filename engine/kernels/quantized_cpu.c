@@ -1,8 +1,9 @@
 // y = x @ W^T with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0): a decode step's GEMMs read
-// 4.5-8.5 bits per weight instead of 32. Each output row is dequantised once into a buffer
-// (the exact fp32 values gguf's dequantiser gives: its multiply, then its add, each rounded),
-// then dotted with every input row in fp32 (the products summed in 8 lanes, then the lanes:
-// another order than a BLAS, the same precision).
+// 4.5-8.5 bits per weight instead of 32. Each block is dequantised in registers (the exact
+// fp32 values gguf's dequantiser gives: its multiply, then its add, each rounded) and dotted
+// with up to 4 input rows in fp32 (the products summed in 2 x 8 lanes, then the lanes: another
+// order than a BLAS, the same precision). Without AVX2 and FMA, a row's weights are
+// dequantised into a buffer and summed in the same order.
 //
 // Block layouts (32 weights each; d and m fp16):
 //   kind 0, Q4_0: d, 16 bytes of nibbles   w = d * (q - 8)
@@ -15,6 +16,7 @@
 #include "cpu_native.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_FMA 1
 #include <immintrin.h>
 #endif
 
@@ -50,54 +52,7 @@ static inline void block_integers(const uint8_t *block, int kind, float *q) {
     }
 }
 
-// One output row's weights, in_features of them, as fp32.
-static void dequantize_row(const uint8_t *row, int kind, int64_t in_features, float *out) {
-    const int64_t bytes = quantized_block_bytes(kind);
-    for (int64_t b = 0; b < in_features / QBLOCK; b++) {
-        const uint8_t *block = row + b * bytes;
-        float *w = out + b * QBLOCK;
-        const float d = fp16_to_float(read_u16(block));
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 dv = _mm256_set1_ps(d);
-        __m256i q32[4];
-        if (kind == 2) {
-            for (int i = 0; i < 4; i++)
-                q32[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * i)));
-        } else {
-            const __m128i bytes16 = _mm_loadu_si128((const __m128i *)(block + (kind == 1 ? 4 : 2)));
-            const __m128i mask = _mm_set1_epi8(0x0F);
-            const __m128i lo = _mm_and_si128(bytes16, mask);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes16, 4), mask);
-            q32[0] = _mm256_cvtepu8_epi32(lo);
-            q32[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-            q32[2] = _mm256_cvtepu8_epi32(hi);
-            q32[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
-            if (kind == 0)
-                for (int i = 0; i < 4; i++) q32[i] = _mm256_sub_epi32(q32[i], _mm256_set1_epi32(8));
-        }
-        if (kind == 1) {
-            const __m256 mv = _mm256_set1_ps(fp16_to_float(read_u16(block + 2)));
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(w + 8 * i,
-                                 _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q32[i])), mv));
-        } else {
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q32[i])));
-        }
-#else
-        float q[QBLOCK];
-        block_integers(block, kind, q);
-        if (kind == 1) {
-            const float m = fp16_to_float(read_u16(block + 2));
-            for (int i = 0; i < QBLOCK; i++) w[i] = d * q[i] + m;
-        } else {
-            for (int i = 0; i < QBLOCK; i++) w[i] = d * q[i];
-        }
-#endif
-    }
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef HAVE_AVX2_FMA
 static inline float half_to_float(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss(read_u16(p));
@@ -106,7 +61,7 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
-// One block's 32 weights in 4 registers: the values dequantize_row stores.
+// One block's 32 weights in 4 registers.
 static inline __attribute__((always_inline)) void block_weights(const uint8_t *block, int kind,
                                                                 __m256 w[4]) {
     const __m256 dv = _mm256_set1_ps(half_to_float(block));
@@ -134,7 +89,33 @@ static inline __attribute__((always_inline)) void block_weights(const uint8_t *b
         for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q32[i]));
     }
 }
+#endif
 
+// One output row's weights, in_features of them, as fp32.
+static void dequantize_row(const uint8_t *row, int kind, int64_t in_features, float *out) {
+    const int64_t bytes = quantized_block_bytes(kind);
+    for (int64_t b = 0; b < in_features / QBLOCK; b++) {
+        const uint8_t *block = row + b * bytes;
+        float *w = out + b * QBLOCK;
+#ifdef HAVE_AVX2_FMA
+        __m256 v[4];
+        block_weights(block, kind, v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, v[i]);
+#else
+        const float d = fp16_to_float(read_u16(block));
+        float q[QBLOCK];
+        block_integers(block, kind, q);
+        if (kind == 1) {
+            const float m = fp16_to_float(read_u16(block + 2));
+            for (int i = 0; i < QBLOCK; i++) w[i] = d * q[i] + m;
+        } else {
+            for (int i = 0; i < QBLOCK; i++) w[i] = d * q[i];
+        }
+#endif
+    }
+}
+
+#ifdef HAVE_AVX2_FMA
 // The dots of one output row's blocks with R input rows, each block dequantised once into
 // registers. Every input row sums alike (two accumulators, then their lanes) whatever R is,
 // so a row's result does not depend on the batch it came in.
@@ -164,7 +145,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *row, i
 }
 #endif
 
-#if !(defined(__AVX2__) && defined(__FMA__))
+#ifndef HAVE_AVX2_FMA
 // The AVX2 path's sums without it: chunk k of 8 into accumulator k % 2, a fused multiply-add
 // each (fmaf), then the two added and their lanes.
 static void scalar_dot(const float *w, const float *x, int64_t n, float *out) {
@@ -191,7 +172,7 @@ int quantized_linear(const uint8_t *weights, int kind, int64_t out_features,
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#if !(defined(__AVX2__) && defined(__FMA__))
+#ifndef HAVE_AVX2_FMA
         float *w = malloc(sizeof(float) * (size_t)in_features);
         if (w == NULL) {
 #pragma omp atomic write
@@ -207,7 +188,7 @@ int quantized_linear(const uint8_t *weights, int kind, int64_t out_features,
                 const int64_t left = rows - r0;
                 const float *xr = x + r0 * x_stride;
                 float dots[4];
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef HAVE_AVX2_FMA
                 if (left >= 4) {
                     tile = 4;
                     dot_tile(row, kind, blocks, block_bytes, xr, x_stride, 4, dots);
@@ -230,7 +211,7 @@ int quantized_linear(const uint8_t *weights, int kind, int64_t out_features,
                     y[(r0 + r) * y_stride + o] = bias ? dots[r] + add : dots[r];
             }
         }
-#if !(defined(__AVX2__) && defined(__FMA__))
+#ifndef HAVE_AVX2_FMA
         free(w);
 #endif
     }
