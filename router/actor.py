@@ -41,7 +41,7 @@ class RouterActor:
         from engine.checkpoint import Checkpoint, served_name
         from router.admission import SLOTargets
         from router.config import RouterConfig, RouterLimits
-        from router.openai_api import create_app
+        from router.openai_api import create_app, server_config
         from router.ray_backend import RayBackend
 
         config = RouterConfig(**router_config)
@@ -65,11 +65,7 @@ class RouterActor:
             self.backend.add_replica(name, pool, handles[name])
         await self.backend.start()
         app = create_app(self.backend, config)
-        self.http_server = uvicorn.Server(
-            uvicorn.Config(
-                app, host=config.host, port=config.port, log_level="warning", lifespan="off"
-            )
-        )
+        self.http_server = uvicorn.Server(server_config(app, config))
         self.http_task = asyncio.create_task(self.http_server.serve())
         while not self.http_server.started:
             if self.http_task.done():

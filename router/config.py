@@ -22,6 +22,10 @@ class RouterConfig:
     max_stop_string_len: int = 256
     max_prompts_per_request: int = 64  # /v1/completions with a list of prompts
     max_n: int = 16  # choices per prompt (OpenAI's n)
+    # How long an idle HTTP connection stays open. Longer than clients' pools keep one
+    # (httpx 5 s, aiohttp 15 s, proxies ~60 s): a server that closes first races a client
+    # reusing the connection, which then sees its request reset (uvicorn's default is 5 s).
+    keep_alive_s: float = 75.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +48,8 @@ class RouterConfig:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
         if self.max_prompts_per_request < 1 or self.max_n < 1:
             raise ValueError("max_prompts_per_request and max_n must be at least 1")
+        if not self.keep_alive_s > 0:
+            raise ValueError(f"keep_alive_s must be positive, got {self.keep_alive_s!r}")
         if self.max_stop_strings < 0 or self.max_stop_string_len < 1:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len >= 1")
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -350,6 +351,18 @@ def _api_of(path: str) -> str:
     if path.startswith("/v1/completions"):
         return "completions"
     return "other"
+
+
+def server_config(app: FastAPI, config: RouterConfig) -> uvicorn.Config:
+    """The uvicorn settings the router's HTTP app is served with (host, port, keep-alive)."""
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        timeout_keep_alive=config.keep_alive_s,
+        log_level="warning",
+        lifespan="off",
+    )
 
 
 def create_app(

@@ -12,6 +12,7 @@ import uvicorn
 
 from router import RouterConfig, create_app
 from router.grpc_api import start_grpc_server
+from router.openai_api import server_config
 from tests.router.fake_backend import FakeBackend
 
 
@@ -30,8 +31,7 @@ class LiveRouter:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
     async def _main(self) -> None:
-        uv = uvicorn.Config(self.app, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(uv)
+        self._server = uvicorn.Server(server_config(self.app, self.config))
         grpc_server, self.grpc_port = await start_grpc_server(self.backend, self.config, port=0)
         task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         while not self._server.started and not task.done():
