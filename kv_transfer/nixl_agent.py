@@ -7,7 +7,9 @@ also runs without a GPU): :func:`nixl_unavailable` says why it cannot be used, i
 Progress: NIXL's own progress thread spins on a core for the agent's whole life (on a 2-core
 host, a worker's whole share), so the agent runs without it and this module progresses it
 instead: a READ's initiator while it waits for the READ, and a thread of its own that polls
-only while some of this agent's memory is held for peers to read (``hold``/``unhold``).
+only while some of this agent's memory is held for peers to read (``hold``/``unhold``) or for
+a while after (``linger``): over UCX's TCP transport a READ moves only while its target
+progresses, so a target that stopped early would stall a READ already under way.
 Thread-safety: the agent is made with NIXL's strict thread sync, so any thread may call.
 """
 
@@ -18,6 +20,7 @@ import importlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,6 +32,7 @@ _POLL_S = 0.00005  # between looks at peers reading held memory
 # each look takes the GIL, which a busy engine thread holds for up to 5 ms at a time.
 _EXPECTED_BYTES_PER_S = 3e9
 _MAX_WAIT_S = 0.002
+_CANCEL_TIMEOUT_S = 5.0  # a READ in flight that cannot be cancelled, waited for this long
 
 
 @functools.cache
@@ -63,6 +67,7 @@ class NixlAgent:
         self._peers: dict[bytes, str] = {}  # metadata → peer name
         self._notes: list[bytes] = []  # notifications collected by the progress thread
         self._held = 0  # pieces of our memory peers are still to read
+        self._linger_until = 0.0  # time.monotonic() to progress until, held or not
         self._cond = threading.Condition()
         self._closed = False
         self._progress = threading.Thread(target=self._progress_loop, daemon=True)
@@ -78,6 +83,13 @@ class NixlAgent:
         with self._cond:
             self._held = max(0, self._held - count)
 
+    def linger(self, seconds: float) -> None:
+        """Progress for ``seconds`` more even if nothing is held: memory a peer may be reading
+        was just given up (an aborted transfer's), and its READ must end, not stall."""
+        with self._cond:
+            self._linger_until = max(self._linger_until, time.monotonic() + seconds)
+            self._cond.notify()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -88,6 +100,9 @@ class NixlAgent:
         while True:
             with self._cond:
                 while not self._held and not self._closed:
+                    lingering = self._linger_until - time.monotonic()
+                    if lingering > 0:
+                        break
                     self._cond.wait()
                 if self._closed:
                     return
@@ -125,12 +140,13 @@ class NixlAgent:
         remote: list[tuple[int, int]],
         notification: bytes,
         deadline: float,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """Copy each remote (address, bytes) of ``peer`` into the local one of the same size,
         then leave ``notification`` at the peer. Blocks until done; KVTransferError if the
-        READ fails or ``deadline`` (time.monotonic) passes first, in which case it is aborted
-        (releasing a request in flight cancels it) before the error is raised, so nothing of
-        it lands after this returns."""
+        READ fails, ``deadline`` (time.monotonic) passes or ``cancelled()`` turns true first
+        (the transfer it serves was given up), in which case the READ is aborted before the
+        error is raised, so nothing of it lands after this returns."""
         to_descs = lambda regions: self._agent.get_xfer_descs(  # noqa: E731
             np.array([(addr, size, 0) for addr, size in regions], dtype=np.uint64), "DRAM"
         )
@@ -143,13 +159,29 @@ class NixlAgent:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferError("NIXL read timed out", "DEADLINE_EXCEEDED")
+                if cancelled():
+                    raise KVTransferError("NIXL read cancelled: its transfer ended", "CANCELLED")
                 time.sleep(wait)
                 wait = min(max(wait / 2, _POLL_S), _MAX_WAIT_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise KVTransferError(f"NIXL read from {peer} failed ({state})", "UNAVAILABLE")
         finally:
-            self._agent.release_xfer_handle(handle)  # raises if it cannot abort one in flight
+            self._release(handle)
+
+    def _release(self, handle) -> None:
+        """Release a READ's handle, cancelling it if it is in flight. A READ UCX cannot cancel
+        yet is waited for (it may still land), up to a bound past which the error is raised."""
+        give_up = time.monotonic() + _CANCEL_TIMEOUT_S
+        while True:
+            try:
+                self._agent.release_xfer_handle(handle)
+                return
+            except Exception:
+                if time.monotonic() > give_up:
+                    raise
+            self._agent.check_xfer_state(handle)  # progresses the READ toward its end
+            time.sleep(_POLL_S)
 
     def notifications(self) -> list[bytes]:
         """Notifications peers left here since the last call."""

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import threading
 import time
+from collections.abc import Callable
 
 import crc32c
 import torch
@@ -51,6 +52,9 @@ NAME = "nixl"
 SLOT_BYTES = 16 * 1024 * 1024  # a staging slot (4 MiB ran 0.84 GB/s here, 16 MiB 1.2-1.3)
 SLOTS = 8  # staged chunks a send side holds at once (128 MiB; backpressure past them)
 READ_TIMEOUT_S = 30.0
+# After an abort, its slots stay unused and the agent progressing this long: a receiver's READ
+# of them may be under way, and it ends (done, or cancelled once the receiver sees the abort).
+ABORT_DRAIN_S = 2.0
 
 
 def _cpu_only(cache: PagedKVCache) -> None:
@@ -69,7 +73,9 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 class StagingPool:
     """Registered host memory the send side stages blocks in: fixed slots, each owned by one
-    transfer until the receiver's READ notification (or the transfer's end) frees it."""
+    transfer until the receiver's READ notification (or the transfer's end) frees it. An
+    aborted transfer's slots drain first: unused for ABORT_DRAIN_S or until their READ's
+    notification, so a READ under way never reads a slot refilled for another transfer."""
 
     def __init__(self, agent: NixlAgent, slot_bytes: int, slots: int = SLOTS) -> None:
         self.agent = agent
@@ -77,6 +83,7 @@ class StagingPool:
         self.buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8)
         agent.register(self.buffer)
         self._owner: list[str | None] = [None] * slots
+        self._drained_at = [0.0] * slots  # time.monotonic() a drained slot is usable again
         self._cond = threading.Condition()
 
     def address(self, slot: int) -> int:
@@ -90,29 +97,41 @@ class StagingPool:
         with self._cond:
             while True:
                 self._collect()
+                now = time.monotonic()
                 for slot, held in enumerate(self._owner):
-                    if held is None:
+                    if held is None and now >= self._drained_at[slot]:
                         self._owner[slot] = owner
                         self.agent.hold()
                         return slot
-                if time.monotonic() > deadline:
+                if now > deadline:
                     raise KVTransferError("KV staging memory stayed full", "DEADLINE_EXCEEDED")
                 self._cond.wait(0.001)
 
-    def release_all(self, owner: str) -> None:
+    def release_all(self, owner: str, drain: bool = False) -> None:
+        """Free ``owner``'s slots: at once when its transfer finished (every READ done), after
+        draining when it was aborted (``drain``)."""
         with self._cond:
-            freed = self._owner.count(owner)
-            self._owner = [None if held == owner else held for held in self._owner]
-            self.agent.unhold(freed)
+            mine = [slot for slot, held in enumerate(self._owner) if held == owner]
+            for slot in mine:
+                self._owner[slot] = None
+                if drain:
+                    self._drained_at[slot] = time.monotonic() + ABORT_DRAIN_S
+            self.agent.unhold(len(mine))
+            if drain and mine:
+                self.agent.linger(ABORT_DRAIN_S)
             self._cond.notify_all()
 
     def _collect(self) -> None:
         """Free the slots receivers have read (their notifications: b"<owner>:<slot>")."""
         for note in self.agent.notifications():
             owner, _, slot = note.decode(errors="replace").rpartition(":")
-            if slot.isdigit() and int(slot) < len(self._owner) and self._owner[int(slot)] == owner:
+            if not slot.isdigit() or int(slot) >= len(self._owner):
+                continue
+            if self._owner[int(slot)] == owner:
                 self._owner[int(slot)] = None
                 self.agent.unhold()
+            elif self._owner[int(slot)] is None:  # a drained slot's READ ended
+                self._drained_at[int(slot)] = 0.0
 
 
 class NixlSendStream(KVSendStream):
@@ -161,7 +180,7 @@ class NixlSendStream(KVSendStream):
 
     def abort(self, reason: str) -> None:
         self._stream.abort(reason)
-        self._pool.release_all(self._owner)
+        self._pool.release_all(self._owner, drain=True)
 
 
 class NixlSendSide(GrpcSendSide):
@@ -202,7 +221,15 @@ class NixlStreamReader:
         self._parts = cache.tensors()
         self._rows = [_row_bytes(t) for t in self._parts]
 
-    def read(self, lease_id: str, frame: frames.ReadyFrame, block_ids: list[int]) -> None:
+    def read(
+        self,
+        lease_id: str,
+        frame: frames.ReadyFrame,
+        block_ids: list[int],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        """READ the frame's slot into ``block_ids``; ``cancelled()`` (the stream is gone) stops
+        a READ under way."""
         count = len(block_ids)
         if frame.nbytes != count * sum(self._rows):
             raise FrameError(
@@ -220,7 +247,8 @@ class NixlStreamReader:
                 views.append(rows[first : first + n])
                 address += n * row
         deadline = time.monotonic() + READ_TIMEOUT_S
-        self.agent.read(self.peer, local, remote, f"{lease_id}:{frame.slot}".encode(), deadline)
+        note = f"{lease_id}:{frame.slot}".encode()
+        self.agent.read(self.peer, local, remote, note, deadline, cancelled)
         crc = 0
         for view in views:
             crc = crc32c.crc32c(view, crc)

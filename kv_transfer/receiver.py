@@ -362,8 +362,11 @@ class _Transfer:
         self.data = slot.conn
         self.used_data_channel = True
 
+    def _cancelled(self) -> bool:
+        return not self.context.is_active() or self.server._stop.is_set()
+
     def _check_alive(self) -> None:
-        if not self.context.is_active() or self.server._stop.is_set():
+        if self._cancelled():
             raise KVTransferError("KV stream broken or cancelled by the sender", "CANCELLED")
 
     def _receive_layers(self, it, spec: WireSpec, lease: Lease) -> None:
@@ -412,7 +415,7 @@ class _Transfer:
                 if self.nixl is None:
                     raise FrameError("a kv_ready frame in a stream that did not ask for NIXL")
                 ids = lease.block_ids[start : start + count]
-                leases.write(lease, self.nixl.read, lease.lease_id, frame, ids)
+                leases.write(lease, self.nixl.read, lease.lease_id, frame, ids, self._cancelled)
                 next_block[layer] += count
                 num_kv_frames += 1
                 self.payload_bytes += frame.nbytes
