@@ -1,15 +1,26 @@
 """``pdcluster bench transfer --into-decode-worker``: KV transfers into a real decode worker
 (the default model, a Ray actor in a process of its own as in a cluster), idle and while it
-decodes a batch of 16 without a pause, in the same run. A transfer's frames land in its lease's blocks without the engine
-lock (kv_transfer/lease.py), so a busy decode should cost the transfer little: the target
-is >= 80% of the idle throughput.
+decodes a batch of 16 without a pause, in the same run. A transfer's frames land in its
+lease's blocks without the engine lock (kv_transfer/lease.py), so a busy decode should cost
+the transfer little: the target is >= 80% of the idle throughput.
 
-The source blocks are random, shaped like the worker's cache; every transfer is one
-request's whole prompt, all layers at once (no prefill computes), passthrough on the wire.
+The control, same run: the worker idle while a CPU-bound process with no engine in it takes
+one core. A decode step keeps a core busy too, so on a machine with few cores the control
+says how much of the busy figure is the cores the transfer cannot have, not the worker.
+The three conditions take turns, a few transfers each, for a few rounds, so the shared
+machine's drift falls on all of them; each figure is the median transfer.
+
+The sender runs in this process with one torch thread, as prefill workers do. The source
+blocks are random, shaped like the worker's cache; every transfer is one request's whole
+prompt, all layers at once (no prefill computes), passthrough on the wire.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -38,6 +49,11 @@ class BenchDecodeWorker(DecodeWorker):
         self.loop.wake()
         while len(self.engine.scheduler.running) < batch:  # their prompts computed
             time.sleep(0.05)
+
+    def stop_busy(self) -> None:
+        with self.loop.lock:
+            for seq in list(self.engine.scheduler.running):
+                self.engine.abort(seq.request_id)
 
     def shape(self) -> dict:
         cache = self.engine.cache
@@ -82,7 +98,8 @@ def _transfer_s(worker, send: KVSendSide, cache: PagedKVCache, tokens: int, inde
 def measure_into_decode_worker(
     model: str = DEFAULT_MODEL,
     tokens: int = 2048,
-    repeats: int = 4,
+    rounds: int = 3,
+    per_round: int = 4,
     batch: int = 16,
     kv_transport: str = "grpc",
 ) -> dict:
@@ -109,46 +126,80 @@ def measure_into_decode_worker(
         .options(num_cpus=0, max_concurrency=8)
         .remote(options, "decode-bench")
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the sender as a prefill worker runs it
+    seconds: dict[str, list[float]] = {"idle": [], "busy": [], "core_taken": []}
+    busy_steps = busy_time = 0.0
     try:
         shape = ray.get(worker.shape.remote())
         kv_bytes = shape["bytes_per_block"] * -(-tokens // shape["block_size"])
         cache = _source_cache(shape, tokens)
         send = transport(kv.transport).send_side(cache, shape["model_config"].fingerprint(), kv)
+        index = 0
+
+        def transfers(condition: str) -> None:
+            nonlocal index
+            for _ in range(per_round):
+                seconds[condition].append(_transfer_s(worker, send, cache, tokens, index))
+                index += 1
+
         try:
             _transfer_s(worker, send, cache, 64, -1)  # warm-up: channel, code paths
-            idle = min(_transfer_s(worker, send, cache, tokens, i) for i in range(repeats))
-            ray.get(worker.keep_busy.remote(batch))
-            steps_before = ray.get(worker.shape.remote())["steps"]
-            busy_start = time.perf_counter()
-            busy = min(
-                _transfer_s(worker, send, cache, tokens, repeats + i) for i in range(repeats)
-            )
-            busy_elapsed = time.perf_counter() - busy_start
-            steps = ray.get(worker.shape.remote())["steps"] - steps_before
+            for _ in range(rounds):
+                transfers("idle")
+                ray.get(worker.keep_busy.remote(batch))
+                steps_before, start = ray.get(worker.shape.remote())["steps"], time.perf_counter()
+                transfers("busy")
+                busy_time += time.perf_counter() - start
+                busy_steps += ray.get(worker.shape.remote())["steps"] - steps_before
+                ray.get(worker.stop_busy.remote())
+                with _cpu_bound_process():
+                    transfers("core_taken")
         finally:
             send.close()
     finally:
+        torch.set_num_threads(threads)
         ray.kill(worker)
         if started_ray:
             ray.shutdown()
+    median = {c: statistics.median(s) for c, s in seconds.items()}
     return {
         "model": model,
         "tokens": tokens,
         "kv_bytes": kv_bytes,
-        "idle_gb_s": kv_bytes / idle / 1e9,
-        "busy_gb_s": kv_bytes / busy / 1e9,
-        "busy_share": idle / busy,
-        "decode_steps_per_s": steps / busy_elapsed,
+        "transfers_per_condition": rounds * per_round,
+        "idle_gb_s": kv_bytes / median["idle"] / 1e9,
+        "busy_gb_s": kv_bytes / median["busy"] / 1e9,
+        "busy_share": median["idle"] / median["busy"],
+        "core_taken_gb_s": kv_bytes / median["core_taken"] / 1e9,
+        "core_taken_share": median["idle"] / median["core_taken"],
+        "seconds": seconds,
+        "decode_steps_per_s": busy_steps / busy_time,
         "batch": batch,
         "transport": kv_transport,
+        "cpu_count": os.cpu_count(),
     }
+
+
+class _cpu_bound_process:
+    """A process that keeps one core busy (pure Python, no memory traffic) while inside."""
+
+    def __enter__(self) -> None:
+        self._process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        self._process.kill()
+        self._process.wait()
 
 
 def format_result(r: dict) -> str:
     return (
         f"into a decode worker ({r['model']}, {r['tokens']} tokens = "
-        f"{r['kv_bytes'] / 2**20:.1f} MiB per transfer, {r['transport']}, passthrough): idle "
-        f"{r['idle_gb_s']:.2f} GB/s; decoding a batch of {r['batch']} "
-        f"({r['decode_steps_per_s']:.1f} steps/s) {r['busy_gb_s']:.2f} GB/s = "
-        f"{r['busy_share']:.0%} of idle (target >= 80%)"
+        f"{r['kv_bytes'] / 2**20:.1f} MiB per transfer, {r['transport']}, passthrough, median of "
+        f"{r['transfers_per_condition']} each): idle {r['idle_gb_s']:.2f} GB/s; decoding a "
+        f"batch of {r['batch']} ({r['decode_steps_per_s']:.1f} steps/s) {r['busy_gb_s']:.2f} "
+        f"GB/s = {r['busy_share']:.0%} of idle (target >= 80%); control, idle with one of the "
+        f"{r['cpu_count']} cores taken by a CPU-bound process: {r['core_taken_gb_s']:.2f} GB/s "
+        f"= {r['core_taken_share']:.0%} of idle"
     )
