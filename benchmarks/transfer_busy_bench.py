@@ -17,6 +17,7 @@ prompt, all layers at once (no prefill computes), passthrough on the wire.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -181,16 +182,16 @@ def measure_into_decode_worker(
     }
 
 
-class _cpu_bound_process:
+@contextlib.contextmanager
+def _cpu_bound_process():
     """A process that keeps one core busy (pure Python, no memory traffic) while inside."""
-
-    def __enter__(self) -> None:
-        self._process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
         time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        self._process.kill()
-        self._process.wait()
+        yield
+    finally:
+        process.kill()
+        process.wait()
 
 
 def format_result(r: dict) -> str:
