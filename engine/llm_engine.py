@@ -27,6 +27,7 @@ from engine.cpu_gemm import GemmPlan, QuantizedGemm, cached_plan, limit_blas_thr
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
 from engine.kernels import cpu_native
+from engine.kernels.cpu_attention import choose_prefill_kernel
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
 from engine.model import LlamaModel
@@ -115,6 +116,9 @@ def load_shard(
         plan.prepare(model.gemm_weights())
     model.use_linear(plan.linear)
     cpu_native.library()  # built now (seconds, once per machine), not in the first request
+    if model.norm_weight.dtype == torch.bfloat16:
+        c = model.config
+        choose_prefill_kernel(c.num_heads, c.num_kv_heads, c.head_dim)
     return model, plan
 
 

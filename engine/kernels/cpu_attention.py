@@ -14,16 +14,21 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   would still be NaN. At 3 query rows per KV head SDPA's CPU kernel spends most of its time
   on overhead, and the gather copies every page once per layer.
 - Prefill: in bf16 on a CPU with AVX-512 BF16, ``prefill_attention_cpu.c`` (causal, flash
-  style, its dot products the CPU's bf16 instructions; 2-3x SDPA's speed here). Otherwise
-  one SDPA call per sequence, never an ``[S, S]`` score tensor: a prompt with no cached
-  prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt chunk
+  style, its dot products the CPU's bf16 instructions) where it is faster than SDPA, timed
+  once per head shape and thread count (``native_prefill_wins``): 2-3x SDPA's speed on an
+  AVX-512 BF16 CPU without AMX, but on one with AMX torch's flash kernel runs its products
+  as AMX tile ops and is 3-4x faster than the C kernel. Otherwise one SDPA call per
+  sequence, never an ``[S, S]`` score tensor: a prompt with no cached prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt chunk
   after a prefix gets its keys from the pages plus its own, with a bottom-right causal mask.
   fp32 (the exactness tests' dtype) always takes SDPA.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,8 @@ import torch.nn.functional as F
 from engine.kernels import cpu_native
 from engine.kernels.decode_attention import check_decode_args
 from engine.kernels.fp8 import FP8_DTYPE
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -209,15 +216,7 @@ def prefill_attention_cpu(
         if seq.prefix:
             keys = torch.cat([cached(k_cache, k_scale, seq), keys])
             values = torch.cat([cached(v_cache, v_scale, seq), values])
-        attended = F.scaled_dot_product_attention(
-            q[seq.start : seq.end].transpose(0, 1)[None],  # [1, Hq, new, D]
-            keys.transpose(0, 1)[None],  # [1, Hkv, S, D]
-            values.transpose(0, 1)[None],
-            attn_mask=seq.mask,
-            is_causal=seq.mask is None,
-            scale=softmax_scale,
-            enable_gqa=True,
-        )
+        attended = _sdpa_prefill(q[seq.start : seq.end], keys, values, seq.mask, softmax_scale)
         out[seq.start : seq.end] = attended[0].transpose(0, 1)
     return out
 
@@ -235,6 +234,76 @@ def _native_prefill(q, k, v, k_cache, v_cache) -> bool:
         and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
+        and native_prefill_wins(q.shape[1], k.shape[1], head_dim, torch.get_num_threads())
+    )
+
+
+# The measured prompt: long enough that attention's products, not the call, set the time.
+_TIMED_TOKENS = 512
+
+
+@cache
+def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, threads: int) -> bool:
+    """Whether the C prefill kernel beats SDPA on a bf16 prompt of these heads with
+    ``threads`` torch threads, timed here once (tens of ms; the engine asks at load, so no
+    request pays it). The caller has checked that the C kernel takes the shape."""
+    generator = torch.Generator().manual_seed(0)
+
+    def rows(heads: int) -> torch.Tensor:
+        shape = (_TIMED_TOKENS, heads, head_dim)
+        return torch.randn(shape, generator=generator).to(torch.bfloat16)
+
+    q, k, v = rows(num_q_heads), rows(num_kv_heads), rows(num_kv_heads)
+    pages = torch.zeros(1, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)  # unread
+    whole = PrefillSequence(0, _TIMED_TOKENS, 0, None, None, None)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native = _best_s(
+            lambda: _prefill_attention_native(q, k, v, pages, pages, whole, scale, out)
+        )
+        sdpa = _best_s(lambda: _sdpa_prefill(q, k, v, whole.mask, scale))
+    finally:
+        torch.set_num_threads(previous)
+    logger.info(
+        "prefill attention (bf16, %d:%d heads of %d, %d threads): %s (C kernel %.2f ms, "
+        "SDPA %.2f ms at %d tokens)", num_q_heads, num_kv_heads, head_dim, threads,
+        "the C kernel" if native < sdpa else "SDPA", native * 1e3, sdpa * 1e3, _TIMED_TOKENS,
+    )  # fmt: skip
+    return native < sdpa
+
+
+def choose_prefill_kernel(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """At engine load: time the bf16 prefill kernels for this shard's heads now, so that
+    the first request does not (a no-op where the C kernel cannot take them)."""
+    lib = cpu_native.library()
+    if lib is not None and lib.prefill_attention_bf16_available() and head_dim % 32 == 0:
+        native_prefill_wins(num_q_heads, num_kv_heads, head_dim, torch.get_num_threads())
+
+
+def _best_s(run, repeats: int = 3) -> float:
+    run()  # warm: first-touch pages, oneDNN's kernel generation
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sdpa_prefill(q, k, v, mask, softmax_scale) -> torch.Tensor:
+    """One sequence's q [new, Hq, D] over keys/values [S, Hkv, D] -> [1, Hq, new, D];
+    causal from the top left where ``mask`` is None."""
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, Hq, new, D]
+        k.transpose(0, 1)[None],  # [1, Hkv, S, D]
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=softmax_scale,
+        enable_gqa=True,
     )
 
 

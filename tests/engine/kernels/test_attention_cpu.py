@@ -121,6 +121,7 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, monkeypat
     monkeypatch.setattr(
         cpu_attention, "_prefill_attention_native", lambda *a: calls.append(1) or real(*a)
     )
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)  # SDPA may win here
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
     assert len(calls) == len(new)  # every sequence through the C kernel
     expected = prefill_attention_reference(*args, scale)  # fp32 throughout
@@ -135,9 +136,46 @@ def test_bf16_prefill_is_no_further_from_exact_than_sdpa(monkeypatch):
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
     expected = prefill_attention_reference(*args, scale).float()
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     native = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     sdpa = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
     native_err = (native.float() - expected).abs().max()
     sdpa_err = (sdpa.float() - expected).abs().max()
     assert native_err <= sdpa_err * 1.5
+
+
+@needs_bf16_prefill
+@pytest.mark.parametrize("c_kernel_wins", [True, False])
+def test_bf16_prefill_takes_the_kernel_measured_faster(c_kernel_wins, monkeypatch):
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [40, 9], [0, 16])
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    asked, calls = [], []
+    real = cpu_attention._prefill_attention_native
+    monkeypatch.setattr(
+        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(1) or real(*a)
+    )
+    monkeypatch.setattr(
+        cpu_attention, "native_prefill_wins", lambda *a: asked.append(a) or c_kernel_wins
+    )
+    out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    assert asked and asked[0] == (9, 3, 64, torch.get_num_threads())
+    assert len(calls) == (2 if c_kernel_wins else 0)
+    expected = prefill_attention_reference(*args, scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16_prefill
+def test_the_prefill_kernel_choice_is_timed_once_per_shape_and_thread_count(monkeypatch):
+    cpu_attention.native_prefill_wins.cache_clear()
+    threads = torch.get_num_threads()
+    timed = []
+    real = cpu_attention._best_s
+    monkeypatch.setattr(cpu_attention, "_best_s", lambda run: timed.append(1) or real(run))
+    first = cpu_attention.native_prefill_wins(4, 2, 32, 1)
+    assert isinstance(first, bool) and len(timed) == 2  # the C kernel, then SDPA
+    assert cpu_attention.native_prefill_wins(4, 2, 32, 1) is first and len(timed) == 2
+    cpu_attention.native_prefill_wins(4, 2, 32, 2)
+    assert len(timed) == 4
+    assert torch.get_num_threads() == threads  # timed at the asked count, then restored
