@@ -1,6 +1,8 @@
 """transformers on the same weights and dtype as ``pdcluster bench engine``, run by it in a
 process of its own: batched ``generate`` (what its users run offline) for decode, one forward
-(``logits_to_keep=1``, as generate's prefill) for prefill. Prints one JSON line."""
+(``logits_to_keep=1``, as generate's prefill) for prefill. Prints one JSON line. Host memory
+as our engine keeps it (engine.host_memory), unless ``--default-malloc``: the comparison is
+of the two forwards, not of glibc's settings."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from benchmarks.engine_bench import _prompts, _shapes
 from benchmarks.roofline import best_of
 from engine.checkpoint import local_path
 from engine.config import parse_dtype
+from engine.host_memory import keep_freed_host_memory
 from engine.tiny import TINY_NAME, save_tiny_checkpoint
 
 
@@ -77,7 +80,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, required=True)
     parser.add_argument("--output-len", type=int, required=True)
     parser.add_argument("--prefill", required=True)
+    parser.add_argument(
+        "--default-malloc", action="store_true", help="glibc's defaults, not the engine's"
+    )
     args = parser.parse_args()
+    if not args.default_malloc:
+        keep_freed_host_memory()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "auto" else parse_dtype(args.dtype)
     runner = TransformersRunner(args.model, dtype)

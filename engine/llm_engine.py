@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, QuantizedGemm, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
+from engine.host_memory import keep_freed_host_memory
 from engine.kernels import cpu_native
 from engine.kernels.cpu_attention import choose_prefill_kernel
 from engine.kv_cache import PagedKVCache
@@ -110,6 +111,7 @@ def load_shard(
     )
     if device.type != "cpu":
         return model, None
+    keep_freed_host_memory()
     quantized = QuantizedGemm(checkpoint.gemm_blocks(model) if config.gguf_gemm else ())
     plan = cpu_gemm_plan(model, config.cpu_gemm, quantized)
     with torch.inference_mode():
