@@ -2,6 +2,7 @@
 the KV store bit for bit, RMSNorm with its residual add and SiLU-and-mul to the last
 rounding."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,8 +34,9 @@ def _rope_case(dtype, tokens=5, hq=9, hkv=3, d=64, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_store_is_the_torch_path_bit_for_bit(dtype):
-    qk, v, cos, sin, hq, cache, slots = _rope_case(dtype)
+@pytest.mark.parametrize("d", [64, 48])  # half heads of whole 16-lane vectors, and not
+def test_rope_and_store_is_the_torch_path_bit_for_bit(dtype, d):
+    qk, v, cos, sin, hq, cache, slots = _rope_case(dtype, d=d)
     k_cache, v_cache = cache.clone(), cache.clone()
     q, k = rope_and_store_cpu(qk, v, cos, sin, hq, k_cache, v_cache, slots)
     q_ref, k_ref = apply_rotary(qk, cos, sin).split([hq, qk.shape[1] - hq], dim=1)
@@ -79,6 +81,40 @@ def test_rmsnorm_matches_the_reference(dtype, with_residual):
     torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp)
     if dtype != torch.float32:
         assert (got != want).float().mean() < 0.01
+
+
+def _rmsnorm_c_order(x, weight, eps, residual):
+    """fused_cpu.c's RMSNorm in its own order of fp32 operations, row by row: the sum of
+    squares in 16 lanes (lane l over columns l, l + 16, ...), the lanes added in order, the
+    columns past the last whole 16 added after them; so the exact bits it must give."""
+    h = x.float() if residual is None else (residual.float() + x.float()).bfloat16().float()
+    out = torch.empty_like(x)
+    H = x.shape[1]
+    whole = H // 16 * 16
+    for t in range(x.shape[0]):
+        lanes = torch.zeros(16)
+        for i in range(0, whole, 16):
+            lanes = lanes + h[t, i : i + 16] * h[t, i : i + 16]
+        total = np.float32(0.0)
+        for value in [*lanes.numpy(), *(h[t, whole:] * h[t, whole:]).numpy()]:
+            total = np.float32(total + value)
+        rstd = np.float32(1.0) / np.sqrt(np.float32(total / np.float32(H) + np.float32(eps)))
+        normed = (h[t] * float(rstd)).bfloat16().float()
+        out[t] = (weight.float() * normed).bfloat16()
+    return out
+
+
+@pytest.mark.parametrize("hidden", [576, 584])  # whole 16-lane vectors, and a tail
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rmsnorm_sums_in_its_stated_order(hidden, with_residual):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(9, hidden, generator=g) * 4).bfloat16()
+    x[0, :4] = torch.tensor([1e-39, -3e-39, 0.0, -0.0])  # bf16 subnormals and signed zeros
+    weight = torch.randn(hidden, generator=g).bfloat16()
+    residual = torch.randn(9, hidden, generator=g).bfloat16() if with_residual else None
+    got = rmsnorm_native(x, weight, 1e-5, residual)
+    got = got[0] if with_residual else got
+    assert torch.equal(got, _rmsnorm_c_order(x, weight, 1e-5, residual))
 
 
 def test_rmsnorm_declines_mixed_dtypes():
