@@ -20,6 +20,13 @@ class KVTransferOptions:
     # gRPC, opt-in: kv frames over a second, raw TCP port negotiated in the gRPC handshake
     # (same token, optional TLS); ~2x loopback throughput, but the port must be reachable.
     data_channel: bool = False
+    # A prefill ships finished layers' KV once this many bytes of them (in the cache's dtype)
+    # are ready, and at each step's last layer; 0: every layer the moment it is done. Each
+    # send wakes the sending threads, which then compete with the forward for the GIL and
+    # the cores: smollm2-135m's 128-token prompt (30 layers of ~100 kB) took 88 ms layer by
+    # layer and 79 ms in one burst on 2 cores (72 ms with no KV sent). A long prompt's
+    # layers (1.3 MB each at 1,676 tokens) still stream while later layers compute.
+    layer_burst_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         from kv_transfer.connector import transport_names
@@ -36,6 +43,8 @@ class KVTransferOptions:
             raise EngineError(f"kv wire_dtype must be fp8 or passthrough, got {self.wire_dtype!r}")
         if self.lease_timeout_s <= 0:
             raise EngineError("kv lease_timeout_s must be positive")
+        if self.layer_burst_bytes < 0:
+            raise EngineError("kv layer_burst_bytes must be 0 or more")
         if self.max_frames_in_flight < 1:
             raise EngineError("kv max_frames_in_flight must be at least 1")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -7,7 +7,9 @@ so a repeated system prompt is not recomputed. Each request samples exactly one 
 and so does each of its forks (OpenAI's ``n``: one prefill, one transfer, n first tokens).
 While a chunk of a prompt runs, every finished layer's newly complete blocks (the first
 chunk also ships the cached prefix; the last, the partial tail block) are handed to the KV
-sender, which ships them while later layers and later chunks compute.
+sender, which ships them while later layers and later chunks compute: layer by layer for a
+long chunk, in a few bursts for a short one (``kv.layer_burst_bytes``), as each send costs
+the forward the sending threads' turn on the GIL and the cores.
 
 Tensor parallel (tp t): every rank holds some of the KV heads and sends them itself, to the
 decode rank(s) that hold them (kv_transfer.rank_services); this worker, rank 0, tells the
@@ -253,8 +255,10 @@ class PrefillWorker(WorkerBase):
 
     # ---- engine loop side ---------------------------------------------------------------
     def _layer_hook(self, batch: ScheduledBatch):
-        """For every prompt in this batch: ship each layer's newly complete blocks as soon as
-        the layer is done (a chunk's full blocks; at the last chunk, the rest)."""
+        """For every prompt in this batch: ship each layer's newly complete blocks (a chunk's
+        full blocks; at the last chunk, the rest) once the layer is done, layers gathered
+        into bursts of at least ``kv.layer_burst_bytes`` (a long prompt's layers go one by
+        one, a short one's in a few sends)."""
         shipping = []
         finishes = []
         block_size = self.engine.cache.block_size
@@ -276,8 +280,13 @@ class PrefillWorker(WorkerBase):
                 finishes.append(job.request_id)
         if not shipping:
             return None
+        cache = self.engine.cache
+        block_bytes = 2 * block_size * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
+        layer_bytes = block_bytes * sum(len(blocks) for _, blocks, _ in shipping)
+        last_layer = cache.num_layers - 1
+        ready: list[int] = []  # finished layers not sent yet
 
-        def layer_done(layer: int) -> None:
+        def send(layer: int) -> None:
             for job, blocks, first_block in shipping:
                 if job.error is not None:
                     continue
@@ -285,6 +294,15 @@ class PrefillWorker(WorkerBase):
                     job.stream.send_layer(layer, blocks, first_block)
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"
+
+        def layer_done(layer: int) -> None:
+            # In bursts of kv.layer_burst_bytes, the last at the step's last layer: the
+            # blocks stay as they are until the step ends, so a later gather reads the same.
+            ready.append(layer)
+            if layer == last_layer or len(ready) * layer_bytes >= self.options.kv.layer_burst_bytes:
+                for finished in ready:
+                    send(finished)
+                ready.clear()
 
         if self.tensor_parallel_size == 1:
             return layer_done

@@ -31,6 +31,7 @@ def test_example_configs_load():
         ({"pools": {"prefil": {}}}, r"pools\.prefil: unknown pool"),
         ({"pools": {"decode": {"gpus": 1}}}, r"pools\.decode: unknown key.*gpus"),
         ({"kv": {"wire_dtype": "int4"}}, r"kv: .*wire_dtype"),
+        ({"kv": {"layer_burst_bytes": -1}}, r"kv: .*layer_burst_bytes"),
         ({"router": {"port": 70000}}, r"router: port"),
         ({"engine": {"block_size": 12}}, "block_size"),
         ({"router": {"limits": {"slo_admission": "yes"}}}, r"router.limits: slo_admission"),

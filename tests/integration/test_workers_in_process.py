@@ -19,11 +19,11 @@ from workers.options import WorkerOptions
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def options(**engine) -> dict:
+def options(kv: dict | None = None, **engine) -> dict:
     return WorkerOptions(
         model="tiny",
         engine=EngineConfig(num_kv_blocks=128, **engine),
-        kv=KVTransferOptions(token="in-process", wire_dtype="passthrough"),
+        kv=KVTransferOptions(token="in-process", wire_dtype="passthrough", **(kv or {})),
     ).to_dict()
 
 
@@ -148,3 +148,43 @@ def test_forks_decode_from_one_transfer_and_a_cancelled_one_is_left_out(workers)
         )
     stats = decode.stats()
     assert stats.load.free_blocks == stats.load.num_blocks
+
+
+@pytest.mark.parametrize("burst_bytes, sent_as_done", [(0, True), (4 << 20, False)])
+def test_layers_ship_as_they_finish_or_in_bursts(burst_bytes, sent_as_done):
+    # kv.layer_burst_bytes 0: each layer's KV is handed to the sender as that layer ends;
+    # the default (4 MiB, far more than a short prompt's KV here): all at the last layer.
+    decode = DecodeWorker(options(), "decode-0")
+    prefill = PrefillWorker(options({"layer_burst_bytes": burst_bytes}), "prefill-0")
+    try:
+        events = []
+        real_hook = prefill.loop._layer_hook
+
+        def hook(batch):
+            layer_done = real_hook(batch)
+            if layer_done is None:
+                return None
+            return lambda layer: (events.append(("done", layer)), layer_done(layer))
+
+        prefill.loop._layer_hook = hook
+        stream_open = prefill.kv.open
+
+        def open_(*args, **kwargs):
+            stream = stream_open(*args, **kwargs)
+            send = stream.send_layer
+            stream.send_layer = lambda layer, *a: (events.append(("sent", layer)), send(layer, *a))
+            return stream
+
+        prefill.kv.open = open_
+        prompt = [(j * 3) % 250 + 3 for j in range(40)]
+        reservation = decode.reserve("burst", prompt, GREEDY)
+        prefill.prefill("burst", prompt, GREEDY, reservation)
+        layers = prefill.engine.model_config.num_layers
+        as_done = [e for layer in range(layers) for e in (("done", layer), ("sent", layer))]
+        in_one_burst = [("done", i) for i in range(layers)] + [("sent", i) for i in range(layers)]
+        assert events == (as_done if sent_as_done else in_one_burst)
+        expected = LLM("tiny", num_kv_blocks=64, progress=False).generate([prompt], GREEDY)
+        assert collect(decode, "burst") == expected[0].token_ids
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
