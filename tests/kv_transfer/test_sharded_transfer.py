@@ -257,7 +257,10 @@ def test_a_stream_of_heads_a_rank_does_not_hold_is_refused_and_released():
     decode = DecodeReplica(2)
     try:
         free = decode.free_blocks()
-        lease = decode.leases.reserve("misrouted", BLOCK_SIZE)
+        # Each receiver refuses the stream before it touches the lease (nothing is written),
+        # so the lease goes at its expiry, on both ranks: a short one here (with the
+        # table's 10 s and a 10 s wait below, this test raced the sweeper in CI).
+        lease = decode.leases.reserve("misrouted", BLOCK_SIZE, timeout_s=2.0)
         handle = decode.rank0.handle_for(lease)
         first, second = handle.receivers
         swapped = dataclasses.replace(  # a handle whose ranks claim each other's heads
@@ -278,7 +281,7 @@ def test_a_stream_of_heads_a_rank_does_not_hold_is_refused_and_released():
         side.close()
         deadline = time.monotonic() + 10
         while decode.free_blocks() != free and time.monotonic() < deadline:
-            time.sleep(0.01)  # the refusal released the lease on both ranks
+            time.sleep(0.01)  # the expired lease released on both ranks
         assert decode.free_blocks() == free and decode.completed == []
     finally:
         decode.stop()
