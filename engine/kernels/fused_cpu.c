@@ -13,10 +13,11 @@
 #include "cpu_native.h"
 
 #define LANES 16
-// Rows from which a call is shared among `threads` OpenMP threads (the caller passes
-// torch's intra-op count; see attention_cpu.c on why never OpenMP's default): below it
-// the team's start costs more than it saves.
-#define PARALLEL_ROWS 64
+// Elements from which a call's rows are shared among `threads` OpenMP threads (the caller
+// passes torch's intra-op count; see attention_cpu.c on why never OpenMP's default): below
+// it the team's start costs more than it saves. A decode batch of 32 rows is above it for
+// SiLU (32 x 1,536) and RoPE (32 x 12 heads x 64), under it for RMSNorm (32 x 576).
+#define PARALLEL_ELEMENTS 20000
 
 static inline float load(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return ((const float *)p)[i];
@@ -179,7 +180,7 @@ INLINE void rope_rows(const int dtype, const void *qk, int64_t qk_stride, const 
                       void *k_cache, void *v_cache, const int64_t *slots, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * (Hq + Hkv) * D >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)qk + t * qk_stride * size;
         const char *c = (const char *)cos + t * D * size, *s = (const char *)sin + t * D * size;
@@ -244,7 +245,7 @@ void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t
                   void *new_residual, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * H >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         float scratch[H];  // the row in fp32 (H is a hidden size: a few KiB of stack)
         const char *xt = (const char *)x + t * x_stride * size;
@@ -308,7 +309,7 @@ void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, in
                    void *out, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * I >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)gate_up + t * stride * size;
         char *o = (char *)out + t * I * size;
