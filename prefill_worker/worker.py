@@ -281,7 +281,7 @@ class PrefillWorker(WorkerBase):
         if not shipping:
             return None
         cache = self.engine.cache
-        block_bytes = 2 * block_size * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
+        block_bytes = cache.bytes_per_block() // cache.num_layers  # one layer's K and V
         layer_bytes = block_bytes * sum(len(blocks) for _, blocks, _ in shipping)
         last_layer = cache.num_layers - 1
         ready: list[int] = []  # finished layers not sent yet

@@ -18,8 +18,9 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   once per head shape and thread count (``native_prefill_wins``): 2-3x SDPA's speed on an
   AVX-512 BF16 CPU without AMX, but on one with AMX torch's flash kernel runs its products
   as AMX tile ops and is 3-4x faster than the C kernel. Otherwise one SDPA call per
-  sequence, never an ``[S, S]`` score tensor: a prompt with no cached prefix takes the causal flash kernel, which skips fully masked key blocks; a prompt chunk
-  after a prefix gets its keys from the pages plus its own, with a bottom-right causal mask.
+  sequence, never an ``[S, S]`` score tensor: a prompt with no cached prefix takes the
+  causal flash kernel, which skips fully masked key blocks; a prompt chunk after a prefix
+  gets its keys from the pages plus its own, with a bottom-right causal mask.
   fp32 (the exactness tests' dtype) always takes SDPA.
 """
 
@@ -224,13 +225,10 @@ def prefill_attention_cpu(
 def _native_prefill(q, k, v, k_cache, v_cache) -> bool:
     """Whether prefill_attention_cpu.c takes this batch: bf16 throughout (its dot products
     are the CPU's bf16 instructions), a head_dim of 32s, heads D apart in every row."""
-    lib = cpu_native.library()
     head_dim = q.shape[2]
     return (
-        lib is not None
-        and bool(lib.prefill_attention_bf16_available())
+        _native_prefill_builds(head_dim)
         and all(t.dtype == torch.bfloat16 for t in (q, k, v, k_cache, v_cache))
-        and head_dim % 32 == 0
         and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -278,9 +276,14 @@ def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, thre
 def choose_prefill_kernel(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """At engine load: time the bf16 prefill kernels for this shard's heads now, so that
     the first request does not (a no-op where the C kernel cannot take them)."""
-    lib = cpu_native.library()
-    if lib is not None and lib.prefill_attention_bf16_available() and head_dim % 32 == 0:
+    if _native_prefill_builds(head_dim):
         native_prefill_wins(num_q_heads, num_kv_heads, head_dim, torch.get_num_threads())
+
+
+def _native_prefill_builds(head_dim: int) -> bool:
+    """Whether prefill_attention_cpu.c was built here (AVX-512 BF16) and takes this head_dim."""
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.prefill_attention_bf16_available()) and head_dim % 32 == 0
 
 
 def _best_s(run, repeats: int = 3) -> float:
