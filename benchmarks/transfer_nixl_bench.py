@@ -4,14 +4,13 @@ to a plain memcpy of the same bytes in the same run.
 
 Modes: ``nixl`` (bf16 pages into a bf16 cache) and ``nixl-fp8`` (fp8 pages with their scales
 into an fp8 cache: NIXL moves pages as they are). The receiver runs in a process of
-its own, as a decode worker does; the source cache holds one layer's blocks, viewed as every
-layer (memory stays one layer's worth; the bytes sent are the same).
+its own, as a decode worker does. The receiver READs the source cache in place, so it holds
+every layer in memory of its own, as a prefill worker's does (a view of one layer as every
+layer would be read from the CPU's caches and flatter the figure).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import multiprocessing
 import threading
 import time
@@ -32,17 +31,13 @@ TOKEN = "bench-token"
 
 
 def _source_cache(model: ModelConfig, blocks: int, block_size: int, dtype) -> PagedKVCache:
-    one_layer = dataclasses.replace(model, num_layers=1)
-    one = PagedKVCache(one_layer, blocks, block_size, dtype, torch.device("cpu"))
+    """A prefill cache of every layer (NIXL reads it in place, so each layer must be memory of
+    its own, as in a worker): random blocks in layer 0, copied to the others."""
+    cache = PagedKVCache(model, blocks, block_size, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    for t in (one.k, one.v):
-        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
-    cache = copy.copy(one)
-    cache.num_layers = model.num_layers
-    for name in ("k", "v", "k_scale", "v_scale"):
-        t = getattr(one, name)
-        if t is not None:
-            setattr(cache, name, t.expand(model.num_layers, *t.shape[1:]))
+    for t in (cache.k, cache.v):
+        t[0].copy_(torch.randn(t.shape[1:], generator=gen).to(dtype))
+        t[1:].copy_(t[0].expand(t.shape[0] - 1, *t.shape[1:]))
     return cache
 
 

@@ -21,8 +21,10 @@ does this.
 
 Block ownership: the lease table owns a lease's blocks from reserve to complete or release;
 the receive side writes into them only through ``LeaseTable.write``, so nothing lands after a
-lease is released or expired. The send side only reads the prefill cache's blocks, during
-``send_layer`` (it copies what it keeps).
+lease is released or expired. The send side only reads the prefill cache's blocks: during
+``send_layer`` (it copies what it keeps), or, for a stream that ``reads_in_place`` (NIXL: the
+receiver READs them where they are, no copy), until the stream calls back
+``on_sources_free``; the prefill worker keeps those blocks unchanged until then.
 
 Errors: every transport failure a caller sees is a KVTransferError with a gRPC-style status
 code name (``code``) and a message that says what went wrong.
@@ -84,13 +86,17 @@ class KVSendStream(ABC):
     two at once."""
 
     transport: str  # the transport that carries it
+    # True: the blocks given to ``send_layer`` are read where they are after it returned; the
+    # caller keeps them unchanged until the ``on_sources_free`` callback.
+    reads_in_place: bool = False
 
     @abstractmethod
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
         """Ship sequence blocks ``[first_block, first_block + len(block_ids))`` of one layer,
         read from the cache blocks ``block_ids`` (int64, on the cache's device). Each layer's
         blocks go in order, each once. May block for backpressure; returns once the cache may
-        be overwritten. Raises KVTransferError when the receiver has refused the stream."""
+        be overwritten (unless ``reads_in_place``). Raises KVTransferError when the receiver
+        has refused the stream."""
 
     @abstractmethod
     def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
@@ -103,6 +109,13 @@ class KVSendStream(ABC):
         """End the stream now; the receiver releases the lease as soon as it learns of it (a
         stream aborted before its first frame arrived leaves the lease to its deadline, or to
         the decode worker's cancel). Idempotent."""
+
+    def on_sources_free(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, when nothing reads the blocks given to ``send_layer`` any
+        more: after ``finish`` returned, or after ``abort`` once the receiver's reads under
+        way ended. From whichever thread sees it (maybe this one, at once), with none of the
+        stream's locks held. A stream that copies in ``send_layer`` calls it at once."""
+        callback()
 
 
 class KVSendSide(ABC):

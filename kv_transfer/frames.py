@@ -15,11 +15,14 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
    groups come in order and without gaps;
    With the NIXL transport the handshake carries the sender's NIXL agent metadata
-   (``nixl_agent``) and **kv_ready** frames (no payload) stand for kv frames:
-   ``{"type": "kv_ready", "layer", "block_start", "block_count", "slot", "address", "nbytes",
-   "data_crc"}``: the same blocks' payload lies in the sender's registered staging memory at
-   ``address``; the receiver READs it straight into the lease's blocks, checks ``data_crc``
-   (CRC32C of those bytes) and notifies ``"<lease_id>:<slot>"``: the slot may be reused;
+   (``nixl_agent``) and where its registered cache lies (``nixl_layout``: per cache tensor,
+   in payload order, ``[address, layer_stride, row_bytes]``, and ``nixl_blocks``, the blocks
+   per layer), and **kv_ready** frames (no payload) stand for kv frames: ``{"type":
+   "kv_ready", "layer", "block_start", "block_count", "seq", "source_blocks", "nbytes",
+   "data_crc"}``: the same blocks' payload lies in the sender's cache, in its blocks
+   ``source_blocks`` (one per sequence block); the receiver READs them straight into the
+   lease's blocks, checks ``data_crc`` (CRC32C of those bytes, in payload order) and notifies
+   ``"<lease_id>:<seq>"`` (``seq``: the frame's number in its stream, from 0);
 3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``, and
    ``"fork_tokens"`` (the first tokens of the prompt's other sequences, OpenAI's ``n``) when
    there are forks. Of a sharded transfer's streams only the one from prefill rank 0 to
@@ -55,7 +58,7 @@ import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
 
-PROTOCOL_VERSION = 3  # 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
+PROTOCOL_VERSION = 4  # 4: NIXL reads the sender's cache in place; 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
 # Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
 # PagedKVCache layout, so a payload is a straight copy of pages.
 LAYOUT = "blocks,block_size,kv_heads,head_dim"
@@ -84,6 +87,9 @@ class Handshake:
     version: int = PROTOCOL_VERSION
     data_channel: bool = False  # the sender asks for a raw TCP data channel for kv frames
     nixl_agent: bytes = b""  # NIXL transport: the sender's agent metadata (kv_ready frames)
+    # NIXL: per cache tensor of the sender (payload order) [address, layer_stride, row_bytes]
+    nixl_layout: tuple[tuple[int, int, int], ...] = ()
+    nixl_blocks: int = 0  # NIXL: blocks per layer of the sender's cache
     heads: tuple[int, int] | None = None  # the model's KV heads [start, stop) carried; None: all
 
     @property
@@ -96,6 +102,7 @@ class Handshake:
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"type": HANDSHAKE, **asdict(self)}
+        meta["nixl_layout"] = [list(entry) for entry in self.nixl_layout]
         if self.heads is None:
             del meta["heads"]
         else:
@@ -113,13 +120,13 @@ class KVFrame:
 
 @dataclass(frozen=True)
 class ReadyFrame:
-    """NIXL: blocks of one layer waiting in the sender's staging memory (see module doc)."""
+    """NIXL: blocks of one layer waiting in the sender's cache (see module doc)."""
 
     layer: int
     block_start: int
     block_count: int
-    slot: int
-    address: int
+    seq: int
+    source_blocks: tuple[int, ...]  # the sender's cache block of each sequence block
     nbytes: int
     data_crc: int
 
@@ -175,9 +182,10 @@ def encode_kv_parts(
 
 
 def encode_ready(
-    layer: int, block_start: int, block_count: int, slot: int, address: int, data: Sequence
+    layer: int, block_start: int, seq: int, source_blocks: Sequence[int], data: Sequence
 ) -> tuple[bytes, bytes, int]:
-    """A kv_ready frame for ``data`` (buffers, in payload order) staged at ``address``."""
+    """The ``seq``-th kv_ready frame of a stream: ``data`` (buffers, in payload order) are the
+    cache's blocks ``source_blocks`` of ``layer``, read in place by the receiver."""
     data_crc = 0
     for part in data:
         data_crc = crc32c.crc32c(part, data_crc)
@@ -185,9 +193,9 @@ def encode_ready(
         "type": READY,
         "layer": layer,
         "block_start": block_start,
-        "block_count": block_count,
-        "slot": slot,
-        "address": address,
+        "block_count": len(source_blocks),
+        "seq": seq,
+        "source_blocks": list(source_blocks),
         "nbytes": sum(memoryview(p).nbytes for p in data),
         "data_crc": data_crc,
     }
@@ -242,6 +250,29 @@ def _bytes(meta: dict, key: str) -> bytes:
     return value
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ints(meta: dict, key: str) -> tuple[int, ...]:
+    value = meta.get(key)
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise FrameError(f"frame field {key!r} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def _nixl_layout(meta: dict) -> tuple[tuple[int, int, int], ...]:
+    value = meta.get("nixl_layout", [])
+    if not isinstance(value, list) or not all(
+        isinstance(entry, list) and len(entry) == 3 and all(_is_int(v) for v in entry)
+        for entry in value
+    ):
+        raise FrameError(
+            "handshake field 'nixl_layout' must be a list of [address, layer_stride, row_bytes]"
+        )
+    return tuple((a, s, r) for a, s, r in value)
+
+
 def _heads(meta: dict, fingerprint: dict) -> tuple[int, int] | None:
     value = meta.get("heads")
     if value is None:
@@ -290,15 +321,21 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
     if payload:
         raise FrameError(f"a {kind!r} frame carries no payload, got {len(payload)} bytes")
     if kind == READY:
-        return ReadyFrame(
+        ready = ReadyFrame(
             layer=_int(fields, "layer"),
             block_start=_int(fields, "block_start"),
             block_count=_int(fields, "block_count", minimum=1),
-            slot=_int(fields, "slot"),
-            address=_int(fields, "address"),
+            seq=_int(fields, "seq"),
+            source_blocks=_ints(fields, "source_blocks"),
             nbytes=_int(fields, "nbytes", minimum=1),
             data_crc=_int(fields, "data_crc"),
         )
+        if len(ready.source_blocks) != ready.block_count:
+            raise FrameError(
+                f"kv_ready frame names {len(ready.source_blocks)} source blocks for "
+                f"{ready.block_count} blocks"
+            )
+        return ready
     if kind == HANDSHAKE:
         fingerprint = fields.get("fingerprint")
         if not isinstance(fingerprint, dict):
@@ -315,6 +352,8 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             version=_int(fields, "version"),
             data_channel=_bool(fields, "data_channel"),
             nixl_agent=_bytes(fields, "nixl_agent"),
+            nixl_layout=_nixl_layout(fields),
+            nixl_blocks=_int(fields, "nixl_blocks") if "nixl_blocks" in fields else 0,
             heads=_heads(fields, fingerprint),
         )
     if kind == END:

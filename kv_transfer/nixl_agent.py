@@ -136,26 +136,32 @@ class NixlAgent:
     def read(
         self,
         peer: str,
-        local: list[tuple[int, int]],
-        remote: list[tuple[int, int]],
+        local,
+        remote,
         notification: bytes,
         deadline: float,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Copy each remote (address, bytes) of ``peer`` into the local one of the same size,
-        then leave ``notification`` at the peer. Blocks until done; KVTransferError if the
+        """Copy each remote (address, bytes) of ``peer`` into the local one of the same size
+        (lists of pairs or [n, 2] arrays), then leave ``notification`` at the peer. Blocks
+        until done; KVTransferError if the
         READ fails, ``deadline`` (time.monotonic) passes or ``cancelled()`` turns true first
         (the transfer it serves was given up), in which case the READ is aborted before the
         error is raised, so nothing of it lands after this returns."""
-        to_descs = lambda regions: self._agent.get_xfer_descs(  # noqa: E731
-            np.array([(addr, size, 0) for addr, size in regions], dtype=np.uint64), "DRAM"
-        )
+
+        def to_descs(regions):
+            pairs = np.asarray(regions, dtype=np.uint64).reshape(-1, 2)
+            descs = np.zeros((len(pairs), 3), dtype=np.uint64)  # address, bytes, device 0
+            descs[:, :2] = pairs
+            return self._agent.get_xfer_descs(descs, "DRAM")
+
         handle = self._agent.initialize_xfer(
             "READ", to_descs(local), to_descs(remote), peer, notification
         )
         try:
             state = self._agent.transfer(handle)
-            wait = sum(size for _, size in local) / _EXPECTED_BYTES_PER_S
+            wait = int(np.asarray(local, dtype=np.uint64).reshape(-1, 2)[:, 1].sum())
+            wait /= _EXPECTED_BYTES_PER_S
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferError("NIXL read timed out", "DEADLINE_EXCEEDED")

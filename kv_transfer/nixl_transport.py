@@ -1,19 +1,27 @@
 """The NIXL transport (registered as "nixl"; needs the nixl extra): the blocks move by NIXL
-(UCX) READs, gRPC keeps the token-checked handshake, the compatibility check, integrity and
-the first token.
+(UCX) READs straight from the prefill cache into the decode cache, one copy and no staging;
+gRPC keeps the token-checked handshake, the compatibility check, integrity and the first token.
 
-A transfer: the prefill side copies each layer's new blocks out of its cache into a slot of
-its registered staging memory and sends a ``kv_ready`` frame (kv_transfer.frames) over the
-gRPC stream, the handshake of which carried its agent metadata. The decode side READs the
-slot straight into the lease's blocks, checks the CRC32C the frame gave, and its READ leaves a
-notification that frees the slot. Pull, not push: every byte that lands in the decode cache
+A transfer: each side registered its whole cache with its agent once. The handshake carries
+the prefill side's agent metadata and where its cache lies (``nixl_layout``); for each layer's
+new blocks the prefill side sends a ``kv_ready`` frame (kv_transfer.frames) naming its cache
+blocks and the CRC32C of their bytes (taken on the sender's drain thread). The decode side
+READs those blocks straight into the lease's blocks, checks the CRC32C, and its READ leaves a
+notification ``"<lease_id>:<seq>"``. Pull, not push: every byte that lands in the decode cache
 lands by the decode side's own READ, inside ``LeaseTable.write``, so nothing is written after
 a lease is released or expired (a late one-sided WRITE into reused blocks cannot happen by
 construction), and a sender sees no decode memory at all.
 
+The prefill blocks are read in place after ``send_layer`` returned (``reads_in_place``): the
+prefill worker keeps them unchanged until the stream's ``on_sources_free`` callback, which
+comes when ``finish`` returns (the receiver answers after its last READ), or after an abort
+once every frame's READ notified or ABORT_DRAIN_S passed (a receiver cancels its READ when it
+sees the stream gone).
+
 Trust: NIXL does not authenticate peers. The receiver adds a sender's agent only after the
-gRPC handshake passed the token check; the sender's staging memory is all it exposes. As with
-the anchors, run it on a private cluster network; TLS and the token still cover gRPC.
+gRPC handshake passed the token check; a sender exposes its registered cache to the decode
+peers it opened streams to (reads only). As with the anchors, run it on a private cluster
+network; TLS and the token still cover gRPC.
 The caches on both sides must have the same dtype (pages move as they are: fp8 pages with
 their scales, or the model dtype); ``kv.wire_dtype`` applies to the gRPC transport only. CPU
 caches only for now: on CUDA, READs into device memory and a device-side checksum are to come.
@@ -28,6 +36,7 @@ import time
 from collections.abc import Callable
 
 import crc32c
+import numpy as np
 import torch
 
 from engine.kv_cache import PagedKVCache, block_runs
@@ -49,12 +58,12 @@ from kv_transfer.options import KVTransferOptions
 from kv_transfer.sender import TransferStream
 
 NAME = "nixl"
-SLOT_BYTES = 16 * 1024 * 1024  # a staging slot (4 MiB ran 0.84 GB/s here, 16 MiB 1.2-1.3)
-SLOTS = 8  # staged chunks a send side holds at once (128 MiB; backpressure past them)
 READ_TIMEOUT_S = 30.0
-# After an abort, its slots stay unused and the agent progressing this long: a receiver's READ
-# of them may be under way, and it ends (done, or cancelled once the receiver sees the abort).
+# After an abort, its source blocks stay held and the agent progressing this long, unless
+# every READ of them notified first: a receiver's READ may be under way, and it ends (done, or
+# cancelled once the receiver sees the abort).
 ABORT_DRAIN_S = 2.0
+_DRAIN_POLL_S = 0.001
 
 
 def _cpu_only(cache: PagedKVCache) -> None:
@@ -71,116 +80,132 @@ def _row_bytes(t: torch.Tensor) -> int:
     return t.stride(1) * t.element_size()
 
 
-class StagingPool:
-    """Registered host memory the send side stages blocks in: fixed slots, each owned by one
-    transfer until the receiver's READ notification (or the transfer's end) frees it. An
-    aborted transfer's slots drain first: unused for ABORT_DRAIN_S or until their READ's
-    notification, so a READ under way never reads a slot refilled for another transfer."""
+def _layer_rows(t: torch.Tensor, layer: int) -> np.ndarray:
+    """Layer ``layer`` of a cache tensor as a numpy uint8 array [blocks, row bytes] (a view)."""
+    return t[layer].reshape(t.shape[1], -1).view(torch.uint8).numpy()
 
-    def __init__(self, agent: NixlAgent, slot_bytes: int, slots: int = SLOTS) -> None:
+
+def _layer_address(t: torch.Tensor, layer: int) -> int:
+    return t.data_ptr() + layer * t.stride(0) * t.element_size()
+
+
+def paired_runs(source: np.ndarray, dest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start index, length) of each stretch over which both block lists run on by one: one
+    READ descriptor pair each."""
+    breaks = np.flatnonzero((np.diff(source) != 1) | (np.diff(dest) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    return starts, np.diff(np.concatenate((starts, [len(source)])))
+
+
+class ReadTracker:
+    """Which kv_ready frames receivers have READ, per lease (their notifications
+    ``b"<lease_id>:<seq>"``); shared by a send side's streams, any thread."""
+
+    def __init__(self, agent: NixlAgent) -> None:
         self.agent = agent
-        self.slot_bytes = slot_bytes
-        self.buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8)
-        agent.register(self.buffer)
-        self._owner: list[str | None] = [None] * slots
-        self._drained_at = [0.0] * slots  # time.monotonic() a drained slot is usable again
-        self._cond = threading.Condition()
+        self._read: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
 
-    def address(self, slot: int) -> int:
-        return self.buffer.data_ptr() + slot * self.slot_bytes
+    def open(self, lease_id: str) -> None:
+        with self._lock:
+            self._read.setdefault(lease_id, set())
 
-    def view(self, slot: int, start: int, nbytes: int) -> torch.Tensor:
-        begin = slot * self.slot_bytes + start
-        return self.buffer[begin : begin + nbytes]
+    def close(self, lease_id: str) -> None:
+        with self._lock:
+            self._read.pop(lease_id, None)
 
-    def acquire(self, owner: str, deadline: float) -> int:
-        with self._cond:
-            while True:
-                self._collect()
-                now = time.monotonic()
-                for slot, held in enumerate(self._owner):
-                    if held is None and now >= self._drained_at[slot]:
-                        self._owner[slot] = owner
-                        self.agent.hold()
-                        return slot
-                if now > deadline:
-                    raise KVTransferError("KV staging memory stayed full", "DEADLINE_EXCEEDED")
-                self._cond.wait(0.001)
-
-    def release_all(self, owner: str, drain: bool = False) -> None:
-        """Free ``owner``'s slots: at once when its transfer finished (every READ done), after
-        draining when it was aborted (``drain``)."""
-        with self._cond:
-            mine = [slot for slot, held in enumerate(self._owner) if held == owner]
-            for slot in mine:
-                self._owner[slot] = None
-                if drain:
-                    self._drained_at[slot] = time.monotonic() + ABORT_DRAIN_S
-            self.agent.unhold(len(mine))
-            if drain and mine:
-                self.agent.linger(ABORT_DRAIN_S)
-            self._cond.notify_all()
-
-    def _collect(self) -> None:
-        """Free the slots receivers have read (their notifications: b"<owner>:<slot>")."""
-        for note in self.agent.notifications():
-            owner, _, slot = note.decode(errors="replace").rpartition(":")
-            if not slot.isdigit() or int(slot) >= len(self._owner):
-                continue
-            if self._owner[int(slot)] == owner:
-                self._owner[int(slot)] = None
-                self.agent.unhold()
-            elif self._owner[int(slot)] is None:  # a drained slot's READ ended
-                self._drained_at[int(slot)] = 0.0
+    def count_read(self, lease_id: str) -> int:
+        """Frames of the lease's stream READ so far (collecting new notifications)."""
+        notes = self.agent.notifications()
+        with self._lock:
+            for note in notes:
+                owner, _, seq = note.decode(errors="replace").rpartition(":")
+                if seq.isdigit() and owner in self._read:
+                    self._read[owner].add(int(seq))
+            return len(self._read.get(lease_id, ()))
 
 
 class NixlSendStream(KVSendStream):
     transport = NAME
+    reads_in_place = True
 
-    def __init__(self, cache: PagedKVCache, pool: StagingPool, stream: TransferStream) -> None:
-        self._cache = cache
-        self._pool = pool
+    def __init__(self, cache: PagedKVCache, tracker: ReadTracker, stream: TransferStream) -> None:
+        self._parts = cache.tensors()
+        self._rows = [_row_bytes(t) for t in self._parts]
+        self._tracker = tracker
         self._stream = stream
-        self._owner = stream.handshake.lease_id
-        self._rows = [_row_bytes(t) for t in cache.tensors()]
-        self._blocks_per_slot = max(1, pool.slot_bytes // sum(self._rows))
+        self._lease_id = stream.handshake.lease_id
+        self._frames = 0  # kv_ready frames sent
+        self._lock = threading.Lock()
+        self._ended = False  # finish or abort came
+        self._free = False  # nothing reads the sources any more
+        self._callbacks: list[Callable[[], None]] = []
+        tracker.open(self._lease_id)
 
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
         count = len(block_ids)
         self._stream.check_blocks(first_block, count)
-        deadline = self._stream.deadline
-        for start in range(0, count, self._blocks_per_slot):
-            ids = block_ids[start : start + self._blocks_per_slot]
-            slot = self._pool.acquire(self._owner, deadline)
-            staged, offset = [], 0
-            for tensor, row in zip(self._cache.tensors(), self._rows, strict=True):
-                source = tensor[layer]
-                out = self._pool.view(slot, offset, len(ids) * row)
-                torch.index_select(
-                    source, 0, ids, out=out.view(source.dtype).view(-1, *source.shape[1:])
-                )
-                staged.append(out.numpy())
-                offset += len(ids) * row
-            ready = functools.partial(
-                frames.encode_ready,
-                layer,
-                first_block + start,
-                len(ids),
-                slot,
-                self._pool.address(slot),
-                staged,
-            )
-            self._stream.send_encoded(ready, offset)  # its CRC32C is taken on the drain thread
+        ids = block_ids.tolist()
+        runs = block_runs(ids)
+        data = []  # views of the blocks' bytes, in payload order: no copy
+        for tensor in self._parts:
+            rows = _layer_rows(tensor, layer)
+            data += [rows[first : first + n] for first, _, n in runs]
+        if self._frames == 0:
+            self._tracker.agent.hold()  # progress while receivers READ our cache
+        ready = functools.partial(frames.encode_ready, layer, first_block, self._frames, ids, data)
+        self._frames += 1
+        self._stream.send_encoded(ready, count * sum(self._rows))  # CRC32C on the drain thread
 
     def finish(self, first_token: int, fork_tokens=()) -> TransferResult:
         try:
-            return self._stream.finish(first_token, fork_tokens)
-        finally:
-            self._pool.release_all(self._owner)
+            result = self._stream.finish(first_token, fork_tokens)
+        except BaseException:
+            self._end(drain=True)
+            raise
+        self._end(drain=False)  # the receiver answered after its last READ
+        return result
 
     def abort(self, reason: str) -> None:
         self._stream.abort(reason)
-        self._pool.release_all(self._owner, drain=True)
+        self._end(drain=True)
+
+    def on_sources_free(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._free:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def _end(self, drain: bool) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        if not drain or self._all_read():
+            self._sources_free()
+            return
+        self._tracker.agent.linger(ABORT_DRAIN_S)
+        threading.Thread(target=self._drain, name="nixl-drain", daemon=True).start()
+
+    def _all_read(self) -> bool:
+        return self._frames == 0 or self._tracker.count_read(self._lease_id) >= self._frames
+
+    def _drain(self) -> None:
+        give_up = time.monotonic() + ABORT_DRAIN_S
+        while not self._all_read() and time.monotonic() < give_up:
+            time.sleep(_DRAIN_POLL_S)
+        self._sources_free()
+
+    def _sources_free(self) -> None:
+        if self._frames:
+            self._tracker.agent.unhold()
+        self._tracker.close(self._lease_id)
+        with self._lock:
+            self._free = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class NixlSendSide(GrpcSendSide):
@@ -190,9 +215,13 @@ class NixlSendSide(GrpcSendSide):
         _cpu_only(cache)
         super().__init__(cache, fingerprint, options)
         self.agent = NixlAgent("prefill")
-        block = sum(_row_bytes(t) for t in cache.tensors())
-        self.pool = StagingPool(self.agent, max(SLOT_BYTES, block))
+        for tensor in cache.tensors():  # receivers READ the blocks where they are
+            self.agent.register(tensor)
+        self.tracker = ReadTracker(self.agent)
         self._metadata = self.agent.metadata()
+        self._layout = tuple(
+            (t.data_ptr(), t.stride(0) * t.element_size(), _row_bytes(t)) for t in cache.tensors()
+        )
 
     def open(self, handle: KVHandle, request_id: str, num_tokens: int) -> NixlSendStream:
         if handle.receivers:
@@ -201,8 +230,16 @@ class NixlSendSide(GrpcSendSide):
                 "FAILED_PRECONDITION",
             )
         wire = "fp8" if self._cache.is_fp8 else "passthrough"  # pages as they are
-        stream = self._open_stream(handle, request_id, num_tokens, wire, nixl_agent=self._metadata)
-        return NixlSendStream(self._cache, self.pool, stream)
+        stream = self._open_stream(
+            handle,
+            request_id,
+            num_tokens,
+            wire,
+            nixl_agent=self._metadata,
+            nixl_layout=self._layout,
+            nixl_blocks=self._cache.num_blocks,
+        )
+        return NixlSendStream(self._cache, self.tracker, stream)
 
     def close(self) -> None:
         super().close()
@@ -210,16 +247,25 @@ class NixlSendSide(GrpcSendSide):
 
 
 class NixlStreamReader:
-    """The receive side of one NIXL stream: READs each kv_ready frame's slot into the lease's
-    blocks and checks its CRC32C. Called by the receiver's handler thread, inside
-    ``LeaseTable.write`` (the lease's blocks are its own while it runs)."""
+    """The receive side of one NIXL stream: READs each kv_ready frame's blocks from the
+    sender's cache into the lease's blocks and checks their CRC32C. Called by the receiver's
+    handler thread, inside ``LeaseTable.write`` (the lease's blocks are its own while it
+    runs)."""
 
-    def __init__(self, agent: NixlAgent, peer: str, cache: PagedKVCache) -> None:
+    def __init__(
+        self, agent: NixlAgent, peer: str, cache: PagedKVCache, handshake: frames.Handshake
+    ) -> None:
         self.agent = agent
         self.peer = peer
-        self.cache = cache
         self._parts = cache.tensors()
         self._rows = [_row_bytes(t) for t in self._parts]
+        theirs = [row for _, _, row in handshake.nixl_layout]
+        if theirs != self._rows:
+            raise HandshakeError(
+                f"the sender's cache rows are {theirs} bytes per block, this cache's {self._rows}"
+            )
+        self._layout = handshake.nixl_layout
+        self._source_blocks = handshake.nixl_blocks
 
     def read(
         self,
@@ -228,27 +274,43 @@ class NixlStreamReader:
         block_ids: list[int],
         cancelled: Callable[[], bool],
     ) -> None:
-        """READ the frame's slot into ``block_ids``; ``cancelled()`` (the stream is gone) stops
-        a READ under way."""
+        """READ the frame's source blocks into ``block_ids``; ``cancelled()`` (the stream is
+        gone) stops a READ under way."""
         count = len(block_ids)
         if frame.nbytes != count * sum(self._rows):
             raise FrameError(
                 f"kv_ready frame of {frame.nbytes} bytes for {count} blocks "
                 f"(expected {count * sum(self._rows)})"
             )
-        runs = block_runs(block_ids)
-        local, remote, views, address = [], [], [], frame.address
-        for tensor, row in zip(self._parts, self._rows, strict=True):
-            rows = tensor[frame.layer].reshape(tensor.shape[1], -1).view(torch.uint8).numpy()
-            base = tensor.data_ptr() + frame.layer * tensor.stride(0) * tensor.element_size()
-            for first, _, n in runs:
-                local.append((base + first * row, n * row))
-                remote.append((address, n * row))
-                views.append(rows[first : first + n])
-                address += n * row
+        source = np.asarray(frame.source_blocks, dtype=np.int64)
+        if int(source.max()) >= self._source_blocks:
+            raise FrameError(
+                f"kv_ready frame names source block {int(source.max())} of a cache of "
+                f"{self._source_blocks}"
+            )
+        dest = np.asarray(block_ids, dtype=np.int64)
+        starts, lengths = paired_runs(source, dest)
+        local, remote, views = [], [], []
+        for tensor, row, (address, layer_stride, _) in zip(
+            self._parts, self._rows, self._layout, strict=True
+        ):
+            sizes = lengths * row
+            local.append(
+                np.stack((_layer_address(tensor, frame.layer) + dest[starts] * row, sizes), 1)
+            )
+            remote.append(
+                np.stack((address + frame.layer * layer_stride + source[starts] * row, sizes), 1)
+            )
+            rows = _layer_rows(tensor, frame.layer)
+            views += [
+                rows[d : d + n]
+                for d, n in zip(dest[starts].tolist(), lengths.tolist(), strict=True)
+            ]
         deadline = time.monotonic() + READ_TIMEOUT_S
-        note = f"{lease_id}:{frame.slot}".encode()
-        self.agent.read(self.peer, local, remote, note, deadline, cancelled)
+        note = f"{lease_id}:{frame.seq}".encode()
+        self.agent.read(
+            self.peer, np.concatenate(local), np.concatenate(remote), note, deadline, cancelled
+        )
         crc = 0
         for view in views:
             crc = crc32c.crc32c(view, crc)
@@ -273,7 +335,8 @@ class NixlReceiver:
                 f"NIXL moves pages as they are: the sender's cache is {handshake.payload_dtype}, "
                 f"this one {dtype_name(cache.dtype)} (give both pools the same kv cache dtype)"
             )
-        return NixlStreamReader(self.agent, self.agent.add_peer(handshake.nixl_agent), cache)
+        peer = self.agent.add_peer(handshake.nixl_agent)
+        return NixlStreamReader(self.agent, peer, cache, handshake)
 
 
 class NixlRecvSide(GrpcRecvSide):

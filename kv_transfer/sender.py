@@ -116,10 +116,13 @@ class KVSender:
         cache_dtype: torch.dtype,
         nixl_agent: bytes = b"",
         heads: tuple[int, int] | None = None,
+        nixl_layout: tuple[tuple[int, int, int], ...] = (),
+        nixl_blocks: int = 0,
     ) -> TransferStream:
         """Start the RPC and send the handshake. ``wire_dtype``: "passthrough" or "fp8";
         ``cache_dtype``: the dtype of the blocks ``send_layer`` will get. ``nixl_agent``: the
-        NIXL transport's agent metadata (its blocks then go as ``send_encoded`` frames).
+        NIXL transport's agent metadata, and where its registered cache lies (its blocks
+        then go as ``send_encoded`` frames).
         ``heads``: the model's KV heads the blocks hold (default: all)."""
         payload_dtype = payload_dtype_for(wire_dtype, cache_dtype)
         handshake = frames.Handshake(
@@ -132,6 +135,8 @@ class KVSender:
             payload_dtype=dtype_name(payload_dtype),
             data_channel=self.data_channel and not nixl_agent,
             nixl_agent=nixl_agent,
+            nixl_layout=nixl_layout,
+            nixl_blocks=nixl_blocks,
             heads=heads,
         )
         start, stop = handshake.head_range()
@@ -247,7 +252,7 @@ class TransferStream:
 
     def send_encoded(self, encode: Callable[[], tuple[bytes, bytes, int]], nbytes: int) -> None:
         """Queue a frame that ``encode()`` makes on the drain thread (a NIXL kv_ready frame,
-        whose checksum covers ``nbytes`` of staged blocks); it counts as a kv frame."""
+        whose checksum covers ``nbytes`` of cache blocks); it counts as a kv frame."""
         self._put((_LAZY, encode))
         self.payload_bytes += nbytes
         self._num_kv_frames += 1

@@ -9,7 +9,8 @@ While a chunk of a prompt runs, every finished layer's newly complete blocks (th
 chunk also ships the cached prefix; the last, the partial tail block) are handed to the KV
 sender, which ships them while later layers and later chunks compute: layer by layer for a
 long chunk, in a few bursts for a short one (``kv.layer_burst_bytes``), as each send costs
-the forward the sending threads' turn on the GIL and the cores.
+the forward the sending threads' turn on the GIL and the cores. A stream that reads the blocks
+in place (NIXL) gets them held, a reference each, until it says it is done with them.
 
 Tensor parallel (tp t): every rank holds some of the KV heads and sends them itself, to the
 decode rank(s) that hold them (kv_transfer.rank_services); this worker, rank 0, tells the
@@ -65,6 +66,10 @@ class PrefillJob:
     unfinished: set[str] = field(init=False)  # members whose first token is still to come
     num_cached_tokens: int = 0
     blocks_sent: int = 0  # of every layer: blocks [0, blocks_sent) are on their way
+    # A stream that reads in place (NIXL): the cache blocks it was given, held (a reference
+    # each) until it says nothing reads them any more, and whether it has said so.
+    held_blocks: list[int] = field(default_factory=list)
+    sources_free: bool = False
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
     scheduled: float | None = None  # its first chunk's step began
@@ -127,6 +132,8 @@ class PrefillWorker(WorkerBase):
         stream = self.kv.open(reservation.kv, request_id, len(prompt_token_ids))
         members = [request_id, *(f.request_id for f in forks)]
         job = PrefillJob(request_id, stream, members)
+        if stream.reads_in_place:
+            stream.on_sources_free(lambda: self._free_sources(job))
         with self.loop.lock:
             try:
                 seq = engine.add_request(
@@ -271,8 +278,10 @@ class PrefillWorker(WorkerBase):
             end = seq.num_computed_tokens + count
             # full blocks; at the last chunk the partial tail block too
             upto = -(-end // block_size) if end == seq.num_tokens else end // block_size
-            if upto > job.blocks_sent:
+            if upto > job.blocks_sent and not job.sources_free:
                 table = seq.block_table[job.blocks_sent : upto]
+                if job.stream.reads_in_place:  # read after this step: keep them as they are
+                    job.held_blocks += self.engine.block_manager.fork(table)
                 blocks = torch.tensor(table, dtype=torch.int64, device=self.engine.device)
                 shipping.append((job, blocks, job.blocks_sent))
                 job.blocks_sent = upto
@@ -310,6 +319,13 @@ class PrefillWorker(WorkerBase):
             (job.request_id, tuple(blocks.tolist()), first) for job, blocks, first in shipping
         )
         return LayerCallbacks(layer_done, Shipment(ships, tuple(finishes)))
+
+    def _free_sources(self, job: PrefillJob) -> None:
+        """The job's stream reads its blocks no more: give back the references it held."""
+        with self.loop.lock:
+            held, job.held_blocks = job.held_blocks, []
+            job.sources_free = True
+            self.engine.block_manager.free(held)
 
     def _on_result(self, result: StepResult) -> None:
         for request_id, token, lp in result.new_tokens:

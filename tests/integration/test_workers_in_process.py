@@ -1,6 +1,7 @@
 """The prefill and decode workers' own logic, in one process (no Ray): a long prompt's KV
-ships chunk by chunk as its prefill chunks compute, and a transfer lands while the decode
-engine is busy stepping (it holds its lock for each whole step)."""
+ships chunk by chunk as its prefill chunks compute, a transfer lands while the decode engine
+is busy stepping (it holds its lock for each whole step), and blocks a transport reads in
+place stay held until it is through."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.sequence import Fork
+from kv_transfer.nixl_agent import nixl_unavailable
 from kv_transfer.options import KVTransferOptions
 from prefill_worker.worker import PrefillWorker
 from workers.options import WorkerOptions
@@ -185,6 +187,57 @@ def test_layers_ship_as_they_finish_or_in_bursts(burst_bytes, sent_as_done):
         assert events == (as_done if sent_as_done else in_one_burst)
         expected = LLM("tiny", num_kv_blocks=64, progress=False).generate([prompt], GREEDY)
         assert collect(decode, "burst") == expected[0].token_ids
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_blocks_read_in_place_stay_held_until_their_transfer_is_through():
+    # kv.transport nixl: the decode side READs the prefill cache's blocks where they are, so
+    # the prefill worker must not reuse a shipped block (its sequence done) before then.
+    decode = DecodeWorker(options({"transport": "nixl"}), "decode-0")
+    prefill = PrefillWorker(options({"transport": "nixl"}, max_num_batched_tokens=32), "prefill-0")
+    blocks = prefill.engine.block_manager
+    try:
+        shipped, at_finish = [], []
+        stream_open = prefill.kv.open
+
+        def open_(*args, **kwargs):
+            stream = stream_open(*args, **kwargs)
+            send, finish = stream.send_layer, stream.finish
+
+            def send_layer(layer, block_ids, first_block=0):
+                shipped.extend(block_ids.tolist())
+                return send(layer, block_ids, first_block)
+
+            def finish_(*a, **k):
+                with prefill.loop.lock:  # the sequence is done: only the stream's hold is left
+                    at_finish.extend(blocks.blocks[b].ref_count for b in set(shipped))
+                return finish(*a, **k)
+
+            stream.send_layer, stream.finish = send_layer, finish_
+            return stream
+
+        prefill.kv.open = open_
+        prompt = [(j * 7) % 250 + 3 for j in range(70)]  # 3 chunks, 5 blocks
+        reservation = decode.reserve("held", prompt, GREEDY)
+        prefill.prefill("held", prompt, GREEDY, reservation)
+        assert at_finish and all(count == 1 for count in at_finish)
+        assert blocks.num_used_blocks == 0  # given back once the transfer was through
+        expected = LLM("tiny", num_kv_blocks=64, progress=False).generate([prompt], GREEDY)
+        assert collect(decode, "held") == expected[0].token_ids
+
+        # A transfer the decode side refuses (its request cancelled): the blocks come back
+        # too, once the reads under way ended or the drain passed.
+        reservation = decode.reserve("gone", prompt, GREEDY)
+        assert decode.cancel("gone")
+        with pytest.raises(Exception, match="lease|cancel"):
+            prefill.prefill("gone", prompt, GREEDY, reservation)
+        deadline = time.monotonic() + 10
+        while blocks.num_used_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert blocks.num_used_blocks == 0
     finally:
         prefill.shutdown()
         decode.shutdown()

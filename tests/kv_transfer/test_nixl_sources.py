@@ -1,0 +1,201 @@
+"""The NIXL transport's two halves of an abort, and the in-place reads they guard: the send
+side keeps the prefill blocks it named held until every READ of them ended (or the drain
+passed), and the receive side's READ stops when its transfer is cancelled instead of waiting
+out its deadline on a sender that stopped. Also: READ descriptors pair runs of both caches."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.nixl_agent import nixl_unavailable
+from tests.kv_transfer.helpers import make_cache
+
+
+class FakeAgent:
+    """What the send side's ReadTracker uses of a NixlAgent, with notifications the test
+    hands in."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.lingered = 0.0
+        self.notes: list[bytes] = []
+
+    def hold(self) -> None:
+        self.held += 1
+
+    def unhold(self, count: int = 1) -> None:
+        self.held -= count
+
+    def linger(self, seconds: float) -> None:
+        self.lingered = seconds
+
+    def notifications(self) -> list[bytes]:
+        notes, self.notes = self.notes, []
+        return notes
+
+
+class FakeStream:
+    """The gRPC stream under a NIXL stream: records the frames it was given."""
+
+    class handshake:  # noqa: N801 - stands for a Handshake
+        lease_id = "lease"
+        num_blocks = 4
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.frames = []
+        self.refuse = refuse
+        self.aborted = False
+
+    def check_blocks(self, first_block: int, count: int) -> None:
+        assert first_block + count <= self.handshake.num_blocks
+
+    def send_encoded(self, encode, nbytes: int) -> None:
+        self.frames.append(encode())
+
+    def finish(self, first_token, fork_tokens=()):
+        if self.refuse:
+            raise KVTransferError("refused", "DATA_LOSS")
+        return "result"
+
+    def abort(self, reason: str) -> None:
+        self.aborted = True
+
+
+def _stream(refuse: bool = False):
+    from kv_transfer.nixl_transport import NixlSendStream, ReadTracker
+
+    agent = FakeAgent()
+    stream = NixlSendStream(make_cache(torch.bfloat16), ReadTracker(agent), FakeStream(refuse))
+    freed = []
+    stream.on_sources_free(lambda: freed.append(time.monotonic()))
+    return stream, agent, freed
+
+
+def _wait(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_a_finished_streams_sources_are_free_at_once():
+    stream, agent, freed = _stream()
+    stream.send_layer(0, torch.tensor([3, 1]), 0)
+    assert agent.held == 1 and not freed  # a receiver may READ them now
+    assert stream.finish(7) == "result"
+    assert len(freed) == 1 and agent.held == 0
+
+
+def test_an_aborted_streams_sources_stay_held_until_every_read_ended():
+    stream, agent, freed = _stream()
+    stream.send_layer(0, torch.tensor([3, 1]), 0)
+    stream.send_layer(1, torch.tensor([3, 1]), 0)
+    stream.abort("client went away")
+    assert agent.lingered > 0 and not freed  # its READs may still be under way
+    agent.notes.append(b"lease:0")
+    agent.notes.append(b"other:1")  # another stream's: counts for nothing here
+    time.sleep(0.05)
+    assert not freed
+    agent.notes.append(b"lease:1")  # ... and now the last one has ended
+    _wait(lambda: freed)
+    stream.abort("twice is fine")
+    assert len(freed) == 1 and agent.held == 0
+
+
+def test_an_aborted_streams_sources_come_back_after_the_drain(monkeypatch):
+    from kv_transfer import nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "ABORT_DRAIN_S", 0.1)
+    stream, _, freed = _stream()
+    stream.send_layer(0, torch.tensor([2]), 0)
+    started = time.monotonic()
+    stream.abort("gone")
+    _wait(lambda: freed)  # no notification: the drain's end frees them
+    assert freed[0] - started >= 0.1
+
+
+def test_a_refused_finish_drains_too_and_a_stream_that_sent_nothing_frees_at_once():
+    stream, agent, freed = _stream(refuse=True)
+    stream.send_layer(0, torch.tensor([0]), 0)
+    with pytest.raises(KVTransferError):
+        stream.finish(1)
+    assert not freed
+    agent.notes.append(b"lease:0")
+    _wait(lambda: freed)
+    idle, _, idle_freed = _stream()
+    idle.abort("never sent")
+    assert idle_freed  # nothing of it was ever read
+
+
+def test_kv_ready_frames_name_the_source_blocks_and_checksum_them_in_order():
+    import crc32c
+
+    from kv_transfer import frames
+
+    stream, _, _ = _stream()
+    stream.send_layer(2, torch.tensor([5, 6, 1]), 1)
+    meta, payload, crc = stream._stream.frames[0]
+    frame = frames.decode_frame(meta, payload, crc)
+    assert (frame.layer, frame.block_start, frame.seq) == (2, 1, 0)
+    assert frame.source_blocks == (5, 6, 1)
+    cache = stream._parts
+    expected = 0
+    for tensor in cache:
+        rows = tensor[2].reshape(tensor.shape[1], -1).view(torch.uint8).numpy()
+        expected = crc32c.crc32c(rows[[5, 6, 1]].tobytes(), expected)
+    assert frame.data_crc == expected
+    assert frame.nbytes == 3 * sum(t.stride(1) * t.element_size() for t in cache)
+
+
+def test_read_descriptors_pair_the_runs_both_caches_share():
+    from kv_transfer.nixl_transport import paired_runs
+
+    source = np.array([4, 5, 6, 9, 10, 2])
+    dest = np.array([0, 1, 7, 8, 9, 10])
+    starts, lengths = paired_runs(source, dest)
+    # [4,5]->[0,1]; 6->7 (dest jumps); [9,10]->[8,9] (source jumps); 2->10
+    assert starts.tolist() == [0, 2, 3, 5] and lengths.tolist() == [2, 1, 2, 1]
+    starts, lengths = paired_runs(np.array([3]), np.array([8]))
+    assert starts.tolist() == [0] and lengths.tolist() == [1]
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_a_cancelled_read_returns_promptly_and_lands_nothing_after():
+    from kv_transfer.nixl_agent import NixlAgent
+
+    source, target = NixlAgent("prefill"), NixlAgent("decode")
+    try:
+        remote = torch.arange(32 << 20, dtype=torch.uint8)  # 32 MiB of the sender's memory
+        local = torch.zeros_like(remote)
+        source.register(remote)
+        target.register(local)
+        peer = target.add_peer(source.metadata())
+        # The source holds nothing, so nothing progresses it: over UCX's TCP transport the
+        # READ cannot move, and only the cancellation ends it before its deadline.
+        region = lambda t: [(t.data_ptr(), t.numel())]  # noqa: E731
+        cancel_at = time.monotonic() + 0.2
+        start = time.monotonic()
+        try:
+            target.read(
+                peer,
+                region(local),
+                region(remote),
+                b"gone:0",
+                deadline=start + 30.0,
+                cancelled=lambda: time.monotonic() > cancel_at,
+            )
+        except KVTransferError as error:
+            assert error.code == "CANCELLED"
+        assert time.monotonic() - start < 6.0  # not the 30 s deadline
+        after = local.clone()
+        source.hold()  # the source progresses again: a READ not really ended would go on
+        time.sleep(0.3)
+        assert np.array_equal(local.numpy(), after.numpy())
+    finally:
+        source.close()
+        target.close()
