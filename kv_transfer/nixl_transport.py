@@ -34,6 +34,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 import numpy as np
@@ -248,15 +249,23 @@ class NixlSendSide(GrpcSendSide):
 
 class NixlStreamReader:
     """The receive side of one NIXL stream: READs each kv_ready frame's blocks from the
-    sender's cache into the lease's blocks and checks their CRC32C. Called by the receiver's
-    handler thread, inside ``LeaseTable.write`` (the lease's blocks are its own while it
-    runs)."""
+    sender's cache into the lease's blocks (``read``, inside ``LeaseTable.write``: the lease's
+    blocks are its own while it runs), and checks their CRC32C on the receiver's checksum
+    thread while the next frame's READ runs; ``verify`` waits for every check, and the
+    receiver calls it before the lease completes. Called by the receiver's handler thread."""
 
     def __init__(
-        self, agent: NixlAgent, peer: str, cache: PagedKVCache, handshake: frames.Handshake
+        self,
+        agent: NixlAgent,
+        peer: str,
+        cache: PagedKVCache,
+        handshake: frames.Handshake,
+        checker: ThreadPoolExecutor,
     ) -> None:
         self.agent = agent
         self.peer = peer
+        self._checker = checker
+        self._checks: list[tuple[int, int, Future]] = []  # (layer, expected CRC, its CRC)
         self._parts = cache.tensors()
         self._rows = [_row_bytes(t) for t in self._parts]
         theirs = [row for _, _, row in handshake.nixl_layout]
@@ -311,13 +320,26 @@ class NixlStreamReader:
         self.agent.read(
             self.peer, np.concatenate(local), np.concatenate(remote), note, deadline, cancelled
         )
-        crc = 0
-        for view in views:
-            crc = crc32c.crc32c(view, crc)
-        if crc != frame.data_crc:
-            raise FrameError(
-                f"KV data of layer {frame.layer} corrupted in transit (checksum mismatch)"
-            )
+        self._checks.append((frame.layer, frame.data_crc, self._checker.submit(_crc, views)))
+        while self._checks and self._checks[0][2].done():  # a bad frame fails early
+            self._check(*self._checks.pop(0))
+
+    def verify(self) -> None:
+        """Wait for every READ's checksum; FrameError on the first that does not match."""
+        while self._checks:
+            self._check(*self._checks.pop(0))
+
+    @staticmethod
+    def _check(layer: int, expected: int, crc: Future) -> None:
+        if crc.result() != expected:
+            raise FrameError(f"KV data of layer {layer} corrupted in transit (checksum mismatch)")
+
+
+def _crc(views: list[np.ndarray]) -> int:
+    crc = 0
+    for view in views:
+        crc = crc32c.crc32c(view, crc)  # the GIL released on large buffers
+    return crc
 
 
 class NixlReceiver:
@@ -328,6 +350,12 @@ class NixlReceiver:
         self.agent = NixlAgent("decode")
         for tensor in cache.tensors():
             self.agent.register(tensor)
+        # One thread checks every stream's READs: each check overlaps the next READ.
+        self.checker = ThreadPoolExecutor(1, thread_name_prefix="nixl-crc")
+
+    def close(self) -> None:
+        self.checker.shutdown(wait=False, cancel_futures=True)
+        self.agent.close()
 
     def stream(self, handshake: frames.Handshake, cache: PagedKVCache) -> NixlStreamReader:
         if handshake.payload_dtype != dtype_name(cache.dtype):
@@ -336,7 +364,7 @@ class NixlReceiver:
                 f"this one {dtype_name(cache.dtype)} (give both pools the same kv cache dtype)"
             )
         peer = self.agent.add_peer(handshake.nixl_agent)
-        return NixlStreamReader(self.agent, peer, cache, handshake)
+        return NixlStreamReader(self.agent, peer, cache, handshake, self.checker)
 
 
 class NixlRecvSide(GrpcRecvSide):
@@ -350,7 +378,7 @@ class NixlRecvSide(GrpcRecvSide):
     def stop(self) -> None:
         super().stop()
         if self._nixl is not None:
-            self._nixl.agent.close()
+            self._nixl.close()
 
 
 register_transport(Transport(NAME, NixlSendSide, NixlRecvSide))

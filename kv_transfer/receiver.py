@@ -392,6 +392,8 @@ class _Transfer:
         for message in messages:
             frame = _decode(message)
             if isinstance(frame, frames.EndFrame):
+                if self.nixl is not None:
+                    self.nixl.verify()  # every READ's checksum, before the lease completes
                 missing = [i for i, b in enumerate(next_block) if b != num_blocks]
                 if missing:
                     raise FrameError(f"KV stream ended with layers {missing} missing or partial")

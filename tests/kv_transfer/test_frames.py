@@ -35,6 +35,11 @@ def test_round_trip_of_each_frame_type():
     assert frames.decode_frame(*frames.encode_end(17, 9)) == frames.EndFrame(17, 9)
     forked = frames.decode_frame(*frames.encode_end(17, 9, [4, 5]))
     assert forked == frames.EndFrame(17, 9, (4, 5))
+    nixl = _hs(nixl_agent=b"agent", nixl_layout=((4096, 512, 64), (8192, 512, 64)), nixl_blocks=8)
+    assert frames.decode_frame(*frames.encode_handshake(nixl)) == nixl
+    ready = frames.decode_frame(*frames.encode_ready(1, 2, 0, [7, 3], [b"ab", b"cd"]))
+    assert (ready.layer, ready.block_start, ready.block_count, ready.seq) == (1, 2, 2, 0)
+    assert ready.source_blocks == (7, 3) and ready.nbytes == 4
 
 
 def test_checksum_covers_meta_and_payload():
@@ -56,6 +61,27 @@ def test_checksum_covers_meta_and_payload():
         {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": [1, -2]},
         {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": 3},
         {"type": "nope"},
+        {
+            "type": "kv_ready",
+            "layer": 0,
+            "block_start": 0,
+            "block_count": 2,
+            "seq": 0,
+            "source_blocks": [1],
+            "nbytes": 8,
+            "data_crc": 0,
+        },  # fewer sources than blocks
+        {
+            "type": "kv_ready",
+            "layer": 0,
+            "block_start": 0,
+            "block_count": 1,
+            "seq": 0,
+            "source_blocks": [-1],
+            "nbytes": 8,
+            "data_crc": 0,
+        },
+        {**_hs().to_meta(), "nixl_layout": [[1, 2]]},  # not [address, stride, row]
         [1, 2],
     ],
 )

@@ -199,3 +199,51 @@ def test_a_cancelled_read_returns_promptly_and_lands_nothing_after():
     finally:
         source.close()
         target.close()
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_a_block_that_differs_from_its_checksum_is_refused_and_its_lease_released():
+    import functools
+    import threading
+
+    from engine.block_manager import BlockManager
+    from kv_transfer import frames, transport
+    from kv_transfer.lease import LeaseTable
+    from kv_transfer.options import KVTransferOptions
+    from tests.kv_transfer.helpers import BLOCK_SIZE, FINGERPRINT, MODEL, TOKEN
+
+    options = KVTransferOptions(transport="nixl", token=TOKEN)
+    lock = threading.RLock()
+    leases = LeaseTable(BlockManager(16, BLOCK_SIZE), lock, default_timeout_s=10.0)
+    recv = transport("nixl").recv_side(FINGERPRINT, options)
+    recv.start(make_cache(torch.bfloat16), leases)
+    send = transport("nixl").send_side(make_cache(torch.bfloat16), FINGERPRINT, options)
+    try:
+        lease = leases.reserve("bad-crc", 2 * BLOCK_SIZE)
+        stream = send.open(recv.handle_for(lease), "bad-crc", 2 * BLOCK_SIZE)
+        inner = stream._stream.send_encoded
+
+        def flip_one_layer(encode, nbytes):
+            meta, payload, crc = encode()
+            ready = frames.decode_frame(meta, payload, crc)
+            if ready.layer == 1:  # as if a byte of this layer changed on the way
+                encode = functools.partial(
+                    frames.encode_ready,
+                    ready.layer,
+                    ready.block_start,
+                    ready.seq,
+                    ready.source_blocks,
+                    [bytes(ready.nbytes)],  # the right size, other bytes
+                )
+            inner(encode, nbytes)
+
+        stream._stream.send_encoded = flip_one_layer
+        for layer in range(MODEL.num_layers):
+            stream.send_layer(layer, torch.tensor([4, 2]), 0)
+        with pytest.raises(KVTransferError, match="corrupted"):
+            stream.finish(first_token=1)
+        assert lease.state == "released" and leases.active() == 0
+        assert recv.stats().transfers_failed == 1
+    finally:
+        send.close()
+        recv.stop()
