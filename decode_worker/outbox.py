@@ -23,6 +23,7 @@ class _Pending:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token
     finish_reason: str | None = None
     error: str | None = None
+    retryable: bool = False
 
     def batch(self) -> TokenBatch:
         return TokenBatch(
@@ -31,6 +32,7 @@ class _Pending:
             prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
             finish_reason=self.finish_reason,
             error=self.error,
+            retryable=self.retryable,
         )
 
 
@@ -55,11 +57,14 @@ class TokenOutbox:
         with self._ready:
             self._pending.setdefault(request_id, _Pending()).prompt_logprobs = entries
 
-    def finish(self, request_id: str, reason: str, error: str | None = None) -> None:
+    def finish(
+        self, request_id: str, reason: str, error: str | None = None, retryable: bool = False
+    ) -> None:
         with self._ready:
             delta = self._pending.setdefault(request_id, _Pending())
             delta.finish_reason = reason
             delta.error = error
+            delta.retryable = retryable
             self._ready.notify_all()
 
     def collect(self, timeout_s: float) -> dict[str, TokenBatch]:

@@ -230,7 +230,8 @@ class DecodeWorker(EngineWorker):
 
     def _released(self, lease: Lease) -> None:
         """A lease went without its KV (the transfer failed, stalled past its deadline, or
-        was refused): its requests end with the reason. On the releasing thread."""
+        was refused): its requests end with the reason, retryable (nothing decoded here yet:
+        another attempt, with another transfer, can serve them). On the releasing thread."""
         with self.loop.lock:
             pending = self.pending.get(lease.request_id)
             if pending is None or pending.lease_id != lease.lease_id:
@@ -241,6 +242,7 @@ class DecodeWorker(EngineWorker):
                 member.request_id,
                 "error",
                 f"{self.name}: KV transfer for {lease.request_id} failed ({lease.release_reason})",
+                retryable=True,
             )
 
     def cancel(self, request_id: str) -> bool:

@@ -158,6 +158,8 @@ class Attempts:
                     ) from None
                 if isinstance(event, Retry):
                     raise AttemptFailed(event.reason)
+                if isinstance(event, TokenBatch) and event.retryable:  # its KV never arrived
+                    raise AttemptFailed(event.error or "the decode replica gave the request up")
                 if isinstance(event, PrefillToken):
                     if first_sent:
                         continue  # the decode replica's stream was quicker

@@ -74,6 +74,9 @@ class TokenBatch:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
     finish_reason: str | None = None
     error: str | None = None
+    # An "error" another attempt can get past: the sequence never started decoding here (its
+    # KV did not arrive), so the router retries it rather than failing the request.
+    retryable: bool = False
 
 
 @dataclass(frozen=True)
