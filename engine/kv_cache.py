@@ -106,7 +106,7 @@ class PagedKVCache:
             ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
             runs = block_runs(ids)
             for dst, src in pairs:
-                dst_rows, src_rows = _byte_rows(dst), _byte_rows(src)
+                dst_rows, src_rows = byte_rows(dst), byte_rows(src)
                 for first, offset, n in runs:
                     dst_rows[first : first + n] = src_rows[offset : offset + n]
             return
@@ -162,7 +162,7 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _byte_rows(t: torch.Tensor):
+def byte_rows(t: torch.Tensor):
     """A contiguous CPU tensor [blocks, ...] as a numpy uint8 array [blocks, bytes] (a view)."""
     return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
 

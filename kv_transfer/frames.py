@@ -58,7 +58,9 @@ import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
 
-PROTOCOL_VERSION = 4  # 4: NIXL reads the sender's cache in place; 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
+# 4: NIXL reads the sender's cache in place; 3: streams of some KV heads; 2: CRC32C checksums
+# (1: zlib CRC-32)
+PROTOCOL_VERSION = 4
 # Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
 # PagedKVCache layout, so a payload is a straight copy of pages.
 LAYOUT = "blocks,block_size,kv_heads,head_dim"
@@ -102,7 +104,6 @@ class Handshake:
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"type": HANDSHAKE, **asdict(self)}
-        meta["nixl_layout"] = [list(entry) for entry in self.nixl_layout]
         if self.heads is None:
             del meta["heads"]
         else:

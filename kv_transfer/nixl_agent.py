@@ -147,13 +147,14 @@ class NixlAgent:
     ) -> None:
         """Copy each remote (address, bytes) of ``peer`` into the local one of the same size
         (lists of pairs or [n, 2] arrays), then leave ``notification`` at the peer. Blocks
-        until done; KVTransferError if the
-        READ fails, ``deadline`` (time.monotonic) passes or ``cancelled()`` turns true first
-        (the transfer it serves was given up), in which case the READ is aborted before the
-        error is raised, so nothing of it lands after this returns."""
+        until done; KVTransferError if the READ fails, ``deadline`` (time.monotonic) passes or
+        ``cancelled()`` turns true first (the transfer it serves was given up), in which case
+        the READ is aborted before the error is raised, so nothing of it lands after this
+        returns."""
+        local = np.asarray(local, dtype=np.uint64).reshape(-1, 2)
+        remote = np.asarray(remote, dtype=np.uint64).reshape(-1, 2)
 
-        def to_descs(regions):
-            pairs = np.asarray(regions, dtype=np.uint64).reshape(-1, 2)
+        def to_descs(pairs: np.ndarray):
             descs = np.zeros((len(pairs), 3), dtype=np.uint64)  # address, bytes, device 0
             descs[:, :2] = pairs
             return self._agent.get_xfer_descs(descs, "DRAM")
@@ -163,8 +164,7 @@ class NixlAgent:
         )
         try:
             state = self._agent.transfer(handle)
-            wait = int(np.asarray(local, dtype=np.uint64).reshape(-1, 2)[:, 1].sum())
-            wait /= _EXPECTED_BYTES_PER_S
+            wait = int(local[:, 1].sum()) / _EXPECTED_BYTES_PER_S
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferError("NIXL read timed out", "DEADLINE_EXCEEDED")

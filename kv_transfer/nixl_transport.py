@@ -40,7 +40,7 @@ import crc32c
 import numpy as np
 import torch
 
-from engine.kv_cache import PagedKVCache, block_runs
+from engine.kv_cache import PagedKVCache, block_runs, byte_rows
 from kv_transfer import frames
 from kv_transfer.codec import dtype_name
 from kv_transfer.connector import (
@@ -79,11 +79,6 @@ def _cpu_only(cache: PagedKVCache) -> None:
 def _row_bytes(t: torch.Tensor) -> int:
     """Bytes of one block's row of ``t`` ([layers, blocks, ...])."""
     return t.stride(1) * t.element_size()
-
-
-def _layer_rows(t: torch.Tensor, layer: int) -> np.ndarray:
-    """Layer ``layer`` of a cache tensor as a numpy uint8 array [blocks, row bytes] (a view)."""
-    return t[layer].reshape(t.shape[1], -1).view(torch.uint8).numpy()
 
 
 def _layer_address(t: torch.Tensor, layer: int) -> int:
@@ -150,7 +145,7 @@ class NixlSendStream(KVSendStream):
         runs = block_runs(ids)
         data = []  # views of the blocks' bytes, in payload order: no copy
         for tensor in self._parts:
-            rows = _layer_rows(tensor, layer)
+            rows = byte_rows(tensor[layer])
             data += [rows[first : first + n] for first, _, n in runs]
         if self._frames == 0:
             self._tracker.agent.hold()  # progress while receivers READ our cache
@@ -310,7 +305,7 @@ class NixlStreamReader:
             remote.append(
                 np.stack((address + frame.layer * layer_stride + source[starts] * row, sizes), 1)
             )
-            rows = _layer_rows(tensor, frame.layer)
+            rows = byte_rows(tensor[frame.layer])
             views += [
                 rows[d : d + n]
                 for d, n in zip(dest[starts].tolist(), lengths.tolist(), strict=True)
