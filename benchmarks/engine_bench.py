@@ -141,12 +141,13 @@ def _measure_tp(args, concurrencies, prefill_shapes, decode, prefill) -> None:
     torch.set_num_threads(threads)
 
 
-def transformers_baseline(args, concurrencies, prefill_shapes) -> dict:
+def transformers_baseline(args, concurrencies, prefill_shapes, device: torch.device) -> dict:
     """transformers on the same weights, dtype and threads, in a process of its own (in
     ours, its generate slowed our decode steps by up to 60%: shared allocator and thread
     state); run twice, under glibc's malloc defaults and under the engine's setting
     (engine.host_memory), each number the faster of the two: the kept memory speeds its
-    prefill (32 x 256: 2.0 -> 1.7 s) and slows its batched decode (b32: 75 -> 93 ms)."""
+    prefill (32 x 256: 2.0 -> 1.7 s) and slows its batched decode (b32: 75 -> 93 ms). On a
+    GPU once, on the same device (host malloc does not matter there)."""
     command = [
         sys.executable,
         "-m",
@@ -165,9 +166,11 @@ def transformers_baseline(args, concurrencies, prefill_shapes) -> dict:
         str(args.output_len),
         "--prefill",
         ",".join(f"{c}x{n}" for c, n in prefill_shapes),
+        "--device",
+        str(device),
     ]
     runs = []
-    for extra in ([], ["--default-malloc"]):
+    for extra in ([], ["--default-malloc"]) if device.type == "cpu" else ([],):
         done = subprocess.run([*command, *extra], stdout=subprocess.PIPE, text=True, check=True)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return {
@@ -193,7 +196,7 @@ def run_engine_benchmark(args) -> int:
     ours = EngineRunner(llm)
     ours.decode_step_s(1, 16, 4)  # warm-up
 
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(device=engine.device)
     weights = weight_bytes(engine.model, engine.gemm_plan)
     bound_s = weights / (bandwidth * 1e9)
     print(
@@ -224,17 +227,22 @@ def run_engine_benchmark(args) -> int:
                 "tflops": prefill_flops(config, [length] * count) / seconds / 1e12,
                 # the bound: the faster of torch's GEMM and the engine's measured plan
                 "gemm_tflops": max(
-                    gemm_tflops(config, count * length, dtype),
-                    gemm_tflops(config, count * length, dtype, engine.model.linear),
+                    gemm_tflops(config, count * length, dtype, device=engine.device),
+                    gemm_tflops(
+                        config, count * length, dtype, engine.model.linear, device=engine.device
+                    ),
                 ),
             }
         )
-    on_cpu = engine.device.type == "cpu"
+    device = engine.device
+    llm.close()
     del llm, ours, engine  # free the memory for the next engine
     if args.tensor_parallel_size > 1:
         _measure_tp(args, concurrencies, prefill_shapes, decode, prefill)
-    if not args.no_baseline and on_cpu:  # transformers runs in a process of its own
-        baseline = transformers_baseline(args, concurrencies, prefill_shapes)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the baseline's process needs the memory
+    if not args.no_baseline:  # transformers runs in a process of its own
+        baseline = transformers_baseline(args, concurrencies, prefill_shapes, device)
         for row, hf in zip(decode, baseline["decode_ms"], strict=True):
             row["hf_ms_per_step"] = hf
         for row, hf in zip(prefill, baseline["prefill_ms"], strict=True):
@@ -295,3 +303,11 @@ def run_engine_benchmark(args) -> int:
         }
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+if __name__ == "__main__":  # without the CLI's imports (Ray, the server), e.g. on a lent GPU
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_bench_parser(parser.add_subparsers(dest="bench", required=True), "tiny", "model")
+    sys.exit(run_engine_benchmark(parser.parse_args(["engine", *sys.argv[1:]])))

@@ -12,21 +12,32 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 
 
-def best_of(fn, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` runs of ``fn`` (seconds), after one warm-up."""
-    fn()
+def best_of(fn, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """The fastest of ``repeats`` runs of ``fn`` (seconds), after one warm-up; on CUDA each
+    run ends when the device has finished its work, not when its launches return."""
+    device = torch.device(device)
+
+    def run() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        run()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def read_bandwidth_gbs(megabytes: int = 1024) -> float:
-    """GB/s of a sum over a buffer far larger than the caches (read once, no write)."""
-    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    seconds = best_of(lambda: data.sum())
+def read_bandwidth_gbs(megabytes: int = 1024, device: torch.device | str = "cpu") -> float:
+    """GB/s of a sum over a buffer far larger than the caches (read once, no write); on a GPU
+    4 GiB, well past its L2."""
+    if torch.device(device).type == "cuda":
+        megabytes = max(megabytes, 4096)
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    seconds = best_of(lambda: data.sum(), device=device)
     return data.numel() * 4 / seconds / 1e9
 
 
@@ -42,18 +53,24 @@ def model_gemms(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def gemm_tflops(config: ModelConfig, tokens: int, dtype: torch.dtype, linear=F.linear) -> float:
+def gemm_tflops(
+    config: ModelConfig,
+    tokens: int,
+    dtype: torch.dtype,
+    linear=F.linear,
+    device: torch.device | str = "cpu",
+) -> float:
     """TFLOP/s of one layer's GEMMs at ``tokens`` rows in ``dtype`` through ``linear``: the
     prefill bound at that size (a forward made only of GEMMs)."""
     shapes = model_gemms(config)
-    weights = [torch.randn(n_out, n_in).to(dtype) for n_in, n_out in shapes]
-    inputs = {n_in: torch.randn(tokens, n_in).to(dtype) for n_in, _ in shapes}
+    weights = [torch.randn(n_out, n_in, device=device).to(dtype) for n_in, n_out in shapes]
+    inputs = {n_in: torch.randn(tokens, n_in, device=device).to(dtype) for n_in, _ in shapes}
 
     def layer() -> None:
         for (n_in, _), weight in zip(shapes, weights, strict=True):
             linear(inputs[n_in], weight)
 
-    seconds = best_of(layer, repeats=3)
+    seconds = best_of(layer, repeats=3, device=device)
     flops = sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)
     return flops / seconds / 1e12
 

@@ -25,7 +25,7 @@ class TransformersRunner:
     """transformers on the same weights and dtype: batched ``generate`` (what its users run
     offline), one forward (``logits_to_keep=1``, as generate's prefill) for prefill."""
 
-    def __init__(self, model_source: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_source: str, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         self._tmp = None
@@ -40,18 +40,23 @@ class TransformersRunner:
         # Loaded in fp32, then cast: transformers keeps a GGUF's blocks packed (its own
         # dequantising kernels) when asked for another dtype, which is not the baseline.
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
-        self.model = model.to(dtype).eval()
+        self.device = torch.device(device)
+        self.model = model.to(dtype).to(self.device).eval()
         self.vocab = model.config.vocab_size
         self._seed = 10_000
 
     def fresh(self, count: int, length: int) -> torch.Tensor:
         self._seed += 1
-        return torch.tensor(_prompts(count, length, self.vocab, self._seed))
+        return torch.tensor(_prompts(count, length, self.vocab, self._seed), device=self.device)
 
     @torch.inference_mode()
     def prefill_s(self, count: int, length: int) -> float:
         ids = self.fresh(count, length)
-        return best_of(lambda: self.model(ids, use_cache=False, logits_to_keep=1), repeats=1)
+        return best_of(
+            lambda: self.model(ids, use_cache=False, logits_to_keep=1),
+            repeats=1,
+            device=self.device,
+        )
 
     @torch.inference_mode()
     def decode_step_s(self, count: int, length: int, new_tokens: int) -> float:
@@ -66,8 +71,10 @@ class TransformersRunner:
                 pad_token_id=0,
             )
 
-        prefill = best_of(lambda: self.model(ids, use_cache=True, logits_to_keep=1), repeats=1)
-        total = best_of(generate, repeats=1)
+        prefill = best_of(
+            lambda: self.model(ids, use_cache=True, logits_to_keep=1), repeats=1, device=self.device
+        )
+        total = best_of(generate, repeats=1, device=self.device)
         return max(total - prefill, 1e-9) / (new_tokens - 1)
 
 
@@ -80,6 +87,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, required=True)
     parser.add_argument("--output-len", type=int, required=True)
     parser.add_argument("--prefill", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
         "--default-malloc", action="store_true", help="glibc's defaults, not the engine's"
     )
@@ -88,7 +96,7 @@ def main() -> None:
         keep_freed_host_memory()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "auto" else parse_dtype(args.dtype)
-    runner = TransformersRunner(args.model, dtype)
+    runner = TransformersRunner(args.model, dtype, args.device)
     decode = [
         runner.decode_step_s(int(c), args.prompt_len, args.output_len) * 1e3
         for c in args.concurrency.split(",")

@@ -258,11 +258,20 @@ class LLMEngine:
         the decode graphs: serving never waits for a compile."""
         if self.tp.size == 1:  # the ranks would have to warm up in lockstep: not done yet
             warm_up_kernels(self.model, self.cache, self.config.max_num_batched_tokens)
-        probe = self.add_request(
-            list(range(1, 18)), SamplingParams(max_tokens=2, ignore_eos=True), "warm-up"
-        )
-        while self.has_request(probe.request_id):
-            self.step()
+        # Triton compiles a kernel again for each specialisation of its integer arguments
+        # (equal to 1, a multiple of 16, neither): on an H200 the first 256-token prompt
+        # after a 17-token probe took 1.56 s, the next ones 23 ms. So prompts of 17 and 32
+        # tokens alone, then both together (prefix-cache hits), reach each variant.
+        odd, even = list(range(1, 18)), list(range(18, 50))
+        for n, prompts in enumerate(([odd], [even], [odd, even])):
+            probes = [
+                self.add_request(
+                    p, SamplingParams(max_tokens=2, ignore_eos=True), f"warm-up-{n}-{i}"
+                )
+                for i, p in enumerate(prompts)
+            ]
+            while any(self.has_request(probe.request_id) for probe in probes):
+                self.step()
         if self.config.cuda_graphs and self.tp.size == 1:  # no collectives inside the graphs yet
             graphs = DecodeGraphs(
                 self.model, self.cache, min(self.config.max_num_seqs, 256), self.max_model_len

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from engine.kernels import dispatch
 from engine.kernels.silu_mul import cast_rne, silu_mul_math
@@ -44,7 +45,9 @@ def _dot_acc(a, b, acc):
         return tl.dot(a, tl.trans(b), acc)
 
 
-@triton.jit
+# M and M_BUCKET unspecialised: Triton would otherwise compile every tile config again for
+# M == 1 and for M a multiple of 16 (the masks make that specialisation worthless here).
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _fused_linear_kernel(
     x_ptr,
     w_ptr,
@@ -221,9 +224,19 @@ def _even_k(args: dict) -> bool:
 _TUNE_KEY = ["M_BUCKET", "N", "K", "HAS_BIAS"]
 
 
+def _tuning_bench(kernel_call, quantiles):
+    # Triton's default (25 ms of warm-up and 100 ms of runs per config) made the start-up
+    # warm-up of a 30-layer model's GEMMs at every row bucket outlast two minutes on an H200;
+    # a few milliseconds per config still rank tiles whose times differ by a few percent.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
 def _autotuned(configs: list[triton.Config]):
     return triton.autotune(
-        configs=configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
+        configs=configs,
+        key=_TUNE_KEY,
+        prune_configs_by={"early_config_prune": _prune_configs},
+        do_bench=_tuning_bench,
     )(triton.heuristics({"EVEN_K": _even_k})(_fused_linear_kernel))
 
 
@@ -234,8 +247,9 @@ _fused_linear_silu_mul_tuned = _autotuned(_SILU_MUL_CONFIGS)
 
 def _m_bucket(m: int) -> int:
     # Serving sees a different M nearly every step; tuning per exact M would re-benchmark
-    # constantly. Beyond 16k rows the best tile no longer changes.
-    return min(triton.next_power_of_2(m), 16384)
+    # constantly. Up to 16 rows the skinny tiles (BLOCK_M 16) win alike; beyond 16k rows the
+    # best tile no longer changes.
+    return min(max(triton.next_power_of_2(m), 16), 16384)
 
 
 def _check_inputs(

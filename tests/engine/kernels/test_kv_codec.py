@@ -94,10 +94,14 @@ def test_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_matches_reference(dtype):
-    x = _blocks(dtype, n=64, dim=128).cuda()
-    q, s = quantize_kv_blocks_triton(x)
+    x = _blocks(dtype, n=64, dim=128)
+    q, s = quantize_kv_blocks_triton(x.cuda())
+    # The reference runs on the CPU, whose cast to e4m3 rounds once to nearest even: on an
+    # H200 the kernel differed from the reference run on CUDA by one e4m3 step in a few
+    # values (errors up to 0.28 at |x| ~ 4), as a cast that rounds through fp16 would make.
     q_ref, s_ref = quantize_kv_blocks_reference(x)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.float(), q_ref.float())
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().float(), q_ref.float())
+    q_ref, s_ref = q_ref.cuda(), s_ref.cuda()
     out = dequantize_kv_blocks_triton(q_ref, s_ref, dtype)
     assert torch.equal(out, dequantize_kv_blocks_reference(q_ref, s_ref, dtype))

@@ -73,9 +73,15 @@ def test_scatter_triton_matches_reference_and_naive(src_dtype, cache_dtype):
 
 def _check_fp8_step(k, v, slots, state, state_ref, block_runs=None):
     store_kv_triton(k, v, *state, slots, block_runs)
-    store_kv_reference(k, v, *state_ref, slots, block_runs)
-    kc, vc, ks, vs = state
-    kc_r, vc_r, ks_r, vs_r = state_ref
+    # The reference on the CPU (its e4m3 cast rounds once; see test_kv_codec's GPU test),
+    # written back where the kernel's state lives so the next step starts from the same.
+    cpu_ref = [t.cpu() for t in state_ref]
+    runs = None if block_runs is None else block_runs.cpu()
+    store_kv_reference(k.cpu(), v.cpu(), *cpu_ref, slots.cpu(), runs)
+    for t, cpu in zip(state_ref, cpu_ref, strict=True):
+        t.copy_(cpu)
+    kc, vc, ks, vs = [t.cpu() for t in state]
+    kc_r, vc_r, ks_r, vs_r = cpu_ref
     # Kernel vs reference: bit-exact (scales and fp8 values; only the sign of zero may differ).
     assert torch.equal(ks, ks_r) and torch.equal(vs, vs_r)
     assert _same_fp8(kc, kc_r) and _same_fp8(vc, vc_r)
