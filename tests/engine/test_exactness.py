@@ -42,9 +42,8 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_prefill_logits_match_transformers(checkpoint):
-    directory, hf_model = checkpoint
-    engine = LLMEngine(directory, EngineConfig(num_kv_blocks=64), progress=False)
+def assert_prefill_logits_match(engine: LLMEngine, hf_model, atol: float) -> None:
+    """Every prompt's logits at every position, one prefill each, against transformers'."""
     for prompt in PROMPTS:
         seq = Sequence(prompt_token_ids=prompt, params=GREEDY)
         seq.block_table, _ = engine.block_manager.allocate(prompt)
@@ -52,8 +51,14 @@ def test_prefill_logits_match_transformers(checkpoint):
         logits = engine.model.compute_logits(engine.model(ids, pos, meta, engine.cache))
         with torch.no_grad():
             expected = hf_model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits.cpu(), expected, atol=atol, rtol=0)
         engine.block_manager.free(seq.block_table)
+
+
+def test_prefill_logits_match_transformers(checkpoint):
+    directory, hf_model = checkpoint
+    engine = LLMEngine(directory, EngineConfig(num_kv_blocks=64), progress=False)
+    assert_prefill_logits_match(engine, hf_model, atol=1e-4)
 
 
 def test_greedy_tokens_match_transformers_one_by_one_and_batched(checkpoint):
@@ -76,16 +81,7 @@ def test_greedy_tokens_and_logits_match_transformers_on_cuda(checkpoint):
     options = dict(num_kv_blocks=64, device="cuda", dtype="float32", progress=False)
     with LLM(directory, **options) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-        engine = llm.engine
-        for prompt in PROMPTS:
-            seq = Sequence(prompt_token_ids=prompt, params=GREEDY)
-            seq.block_table, _ = engine.block_manager.allocate(prompt)
-            ids, pos, meta, _, _ = engine.runner.prepare(ScheduledBatch([seq], [len(prompt)]))
-            logits = engine.model.compute_logits(engine.model(ids, pos, meta, engine.cache))
-            with torch.no_grad():
-                reference = hf_model(torch.tensor([prompt])).logits[0]
-            torch.testing.assert_close(logits.cpu(), reference, atol=1e-3, rtol=0)
-            engine.block_manager.free(seq.block_table)
+        assert_prefill_logits_match(llm.engine, hf_model, atol=1e-3)
 
 
 def chunked_llm(directory) -> LLM:
