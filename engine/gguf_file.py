@@ -156,7 +156,6 @@ class GGUFFile:
         """One 2-D tensor as its blocks, rows in Hugging Face order (Q/K unpermuted), for the
         block types the quantised GEMM takes (engine.kernels.quantized_cpu.KINDS); None for
         any other type."""
-
         weight = self._blocks(name)
         if weight is None:
             return None
