@@ -8,20 +8,23 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    ``heads`` = [start, stop): the model's KV heads this stream carries (between
    tensor-parallel replicas a transfer is one stream per pair of ranks, each with some
    heads, kv_transfer.sharding); absent, all of them;
-2. **kv** frames, per layer or per group of blocks of a layer: ``{"type": "kv", "layer",
-   "block_start", "block_count"}``; the payload is the K blocks then the V blocks
-   ``[block_count, block_size, heads, head_dim]`` of ``payload_dtype`` (row-major,
-   ``LAYOUT``, the stream's heads), followed for fp8 by the K then V scales ``[block_count, heads]``
-   float32. Block ``i`` is the sequence's i-th block (block-table order). Within a layer the
-   groups come in order and without gaps;
+2. **kv** frames, per group of blocks of one layer or of consecutive layers: ``{"type": "kv",
+   "layer", "block_start", "block_count"}`` and ``"layer_count"`` when more than one; per
+   layer (from ``layer`` on) the payload holds the K blocks then the V blocks ``[block_count,
+   block_size, heads, head_dim]`` of ``payload_dtype`` (row-major, ``LAYOUT``, the stream's
+   heads), followed for fp8 by the K then V scales ``[block_count, heads]`` float32. Block
+   ``i`` is the sequence's i-th block (block-table order). Within a layer the groups come in
+   order and without gaps. A sender puts several layers in one frame when they are ready
+   together (a backlog): each frame costs a fixed time on both sides, whatever its size;
    With the NIXL transport the handshake carries the sender's NIXL agent metadata
    (``nixl_agent``) and where its registered cache lies (``nixl_layout``: per cache tensor,
    in payload order, ``[address, layer_stride, row_bytes]``, and ``nixl_blocks``, the blocks
    per layer), and **kv_ready** frames (no payload) stand for kv frames: ``{"type":
    "kv_ready", "layer", "block_start", "block_count", "seq", "source_blocks", "nbytes",
-   "data_crc"}``: the same blocks' payload lies in the sender's cache, in its blocks
-   ``source_blocks`` (one per sequence block); the receiver READs them straight into the
-   lease's blocks, checks ``data_crc`` (CRC32C of those bytes, in payload order) and notifies
+   "data_crc"}`` (and ``"layer_count"``, as for kv frames): the same blocks' payload lies in
+   the sender's cache, in its blocks ``source_blocks`` (one per sequence block) of each
+   layer; the receiver READs them straight into the lease's blocks, checks ``data_crc``
+   (CRC32C of those bytes, layer by layer in payload order) and notifies
    ``"<lease_id>:<seq>"`` (``seq``: the frame's number in its stream, from 0);
 3. an **end** frame (no payload): ``{"type": "end", "first_token", "num_kv_frames"}``, and
    ``"fork_tokens"`` (the first tokens of the prompt's other sequences, OpenAI's ``n``) when
@@ -58,9 +61,9 @@ import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
 
-# 4: NIXL reads the sender's cache in place; 3: streams of some KV heads; 2: CRC32C checksums
-# (1: zlib CRC-32)
-PROTOCOL_VERSION = 4
+# 5: frames of several layers; 4: NIXL reads the sender's cache in place; 3: streams of some KV
+# heads; 2: CRC32C checksums (1: zlib CRC-32)
+PROTOCOL_VERSION = 5
 # Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
 # PagedKVCache layout, so a payload is a straight copy of pages.
 LAYOUT = "blocks,block_size,kv_heads,head_dim"
@@ -113,10 +116,15 @@ class Handshake:
 
 @dataclass(frozen=True)
 class KVFrame:
-    layer: int
+    layer: int  # the first of the frame's layers
     block_start: int
     block_count: int
-    payload: bytes | memoryview
+    payload: bytes | memoryview  # per layer, one payload of block_count blocks
+    layer_count: int = 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer, self.layer + self.layer_count)
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,13 @@ class ReadyFrame:
     block_count: int
     seq: int
     source_blocks: tuple[int, ...]  # the sender's cache block of each sequence block
-    nbytes: int
+    nbytes: int  # of every layer's blocks
     data_crc: int
+    layer_count: int = 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer, self.layer + self.layer_count)
 
 
 @dataclass(frozen=True)
@@ -165,41 +178,52 @@ def encode_handshake(handshake: Handshake) -> tuple[bytes, bytes, int]:
     return encode_frame(handshake.to_meta())
 
 
+def _kv_meta(kind: str, layer: int, block_start: int, block_count: int, layer_count: int):
+    if layer_count < 1:
+        raise ValueError(f"a frame holds at least one layer, not {layer_count}")
+    meta = {"type": kind, "layer": layer, "block_start": block_start, "block_count": block_count}
+    if layer_count > 1:
+        meta["layer_count"] = layer_count
+    return meta
+
+
 def encode_kv(
-    layer: int, block_start: int, block_count: int, payload: bytes
+    layer: int, block_start: int, block_count: int, payload: bytes, layer_count: int = 1
 ) -> tuple[bytes, bytes, int]:
-    meta = {"type": KV, "layer": layer, "block_start": block_start, "block_count": block_count}
-    return encode_frame(meta, payload)
+    return encode_frame(_kv_meta(KV, layer, block_start, block_count, layer_count), payload)
 
 
 def encode_kv_parts(
-    layer: int, block_start: int, block_count: int, parts: Sequence
+    layer: int, block_start: int, block_count: int, parts: Sequence, layer_count: int = 1
 ) -> tuple[bytes, Sequence, int]:
     """Like :func:`encode_kv`, the payload given as contiguous buffers (not joined, not
     copied): (meta bytes, payload parts, crc32)."""
-    meta = {"type": KV, "layer": layer, "block_start": block_start, "block_count": block_count}
+    meta = _kv_meta(KV, layer, block_start, block_count, layer_count)
     packed = msgpack.packb(meta, use_bin_type=True)
     return packed, parts, checksum_parts(packed, parts)
 
 
 def encode_ready(
-    layer: int, block_start: int, seq: int, source_blocks: Sequence[int], data: Sequence
+    layer: int,
+    block_start: int,
+    seq: int,
+    source_blocks: Sequence[int],
+    data: Sequence,
+    layer_count: int = 1,
 ) -> tuple[bytes, bytes, int]:
-    """The ``seq``-th kv_ready frame of a stream: ``data`` (buffers, in payload order) are the
-    cache's blocks ``source_blocks`` of ``layer``, read in place by the receiver."""
+    """The ``seq``-th kv_ready frame of a stream: ``data`` (buffers, layer by layer in payload
+    order) are the cache's blocks ``source_blocks`` of layers ``[layer, layer +
+    layer_count)``, read in place by the receiver."""
     data_crc = 0
     for part in data:
         data_crc = crc32c.crc32c(part, data_crc)
-    meta = {
-        "type": READY,
-        "layer": layer,
-        "block_start": block_start,
-        "block_count": len(source_blocks),
-        "seq": seq,
-        "source_blocks": list(source_blocks),
-        "nbytes": sum(memoryview(p).nbytes for p in data),
-        "data_crc": data_crc,
-    }
+    meta = _kv_meta(READY, layer, block_start, len(source_blocks), layer_count)
+    meta.update(
+        seq=seq,
+        source_blocks=list(source_blocks),
+        nbytes=sum(memoryview(p).nbytes for p in data),
+        data_crc=data_crc,
+    )
     return encode_frame(meta)
 
 
@@ -312,12 +336,14 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
     if not isinstance(fields, dict):
         raise FrameError("frame metadata must be a msgpack map")
     kind = fields.get("type")
+    layer_count = _int(fields, "layer_count", minimum=1) if "layer_count" in fields else 1
     if kind == KV:
         return KVFrame(
             layer=_int(fields, "layer"),
             block_start=_int(fields, "block_start"),
             block_count=_int(fields, "block_count", minimum=1),
             payload=payload,
+            layer_count=layer_count,
         )
     if payload:
         raise FrameError(f"a {kind!r} frame carries no payload, got {len(payload)} bytes")
@@ -330,6 +356,7 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             source_blocks=_ints(fields, "source_blocks"),
             nbytes=_int(fields, "nbytes", minimum=1),
             data_crc=_int(fields, "data_crc"),
+            layer_count=layer_count,
         )
         if len(ready.source_blocks) != ready.block_count:
             raise FrameError(

@@ -30,7 +30,6 @@ caches only for now: on CUDA, READs into device memory and a device-side checksu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -127,11 +126,11 @@ class NixlSendStream(KVSendStream):
 
     def __init__(self, cache: PagedKVCache, tracker: ReadTracker, stream: TransferStream) -> None:
         self._parts = cache.tensors()
-        self._rows = [_row_bytes(t) for t in self._parts]
         self._tracker = tracker
         self._stream = stream
         self._lease_id = stream.handshake.lease_id
-        self._frames = 0  # kv_ready frames sent
+        self._holding = False  # the agent progresses for our receivers' READs
+        self._frames = 0  # kv_ready frames a receiver may READ (known once the stream ended)
         self._lock = threading.Lock()
         self._ended = False  # finish or abort came
         self._free = False  # nothing reads the sources any more
@@ -139,19 +138,16 @@ class NixlSendStream(KVSendStream):
         tracker.open(self._lease_id)
 
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
-        count = len(block_ids)
-        self._stream.check_blocks(first_block, count)
         ids = block_ids.tolist()
         runs = block_runs(ids)
         data = []  # views of the blocks' bytes, in payload order: no copy
         for tensor in self._parts:
             rows = byte_rows(tensor[layer])
             data += [rows[first : first + n] for first, _, n in runs]
-        if self._frames == 0:
+        if not self._holding:
+            self._holding = True
             self._tracker.agent.hold()  # progress while receivers READ our cache
-        ready = functools.partial(frames.encode_ready, layer, first_block, self._frames, ids, data)
-        self._frames += 1
-        self._stream.send_encoded(ready, count * sum(self._rows))  # CRC32C on the drain thread
+        self._stream.send_ready(layer, first_block, ids, data)  # CRC32C on the drain thread
 
     def finish(self, first_token: int, fork_tokens=()) -> TransferResult:
         try:
@@ -178,6 +174,7 @@ class NixlSendStream(KVSendStream):
             if self._ended:
                 return
             self._ended = True
+        self._frames = self._stream.seal_ready_frames()
         if not drain or self._all_read():
             self._sources_free()
             return
@@ -194,7 +191,7 @@ class NixlSendStream(KVSendStream):
         self._sources_free()
 
     def _sources_free(self) -> None:
-        if self._frames:
+        if self._holding:
             self._tracker.agent.unhold()
         self._tracker.close(self._lease_id)
         with self._lock:
@@ -260,7 +257,7 @@ class NixlStreamReader:
         self.agent = agent
         self.peer = peer
         self._checker = checker
-        self._checks: list[tuple[int, int, Future]] = []  # (layer, expected CRC, its CRC)
+        self._checks: list[tuple[range, int, Future]] = []  # (layers, expected CRC, its CRC)
         self._parts = cache.tensors()
         self._rows = [_row_bytes(t) for t in self._parts]
         theirs = [row for _, _, row in handshake.nixl_layout]
@@ -281,10 +278,11 @@ class NixlStreamReader:
         """READ the frame's source blocks into ``block_ids``; ``cancelled()`` (the stream is
         gone) stops a READ under way."""
         count = len(block_ids)
-        if frame.nbytes != count * sum(self._rows):
+        expected = frame.layer_count * count * sum(self._rows)
+        if frame.nbytes != expected:
             raise FrameError(
-                f"kv_ready frame of {frame.nbytes} bytes for {count} blocks "
-                f"(expected {count * sum(self._rows)})"
+                f"kv_ready frame of {frame.nbytes} bytes for {frame.layer_count} layers of "
+                f"{count} blocks (expected {expected})"
             )
         source = np.asarray(frame.source_blocks, dtype=np.int64)
         if int(source.max()) >= self._source_blocks:
@@ -294,28 +292,29 @@ class NixlStreamReader:
             )
         dest = np.asarray(block_ids, dtype=np.int64)
         starts, lengths = paired_runs(source, dest)
-        local, remote, views = [], [], []
-        for tensor, row, (address, layer_stride, _) in zip(
-            self._parts, self._rows, self._layout, strict=True
-        ):
-            sizes = lengths * row
-            local.append(
-                np.stack((_layer_address(tensor, frame.layer) + dest[starts] * row, sizes), 1)
-            )
-            remote.append(
-                np.stack((address + frame.layer * layer_stride + source[starts] * row, sizes), 1)
-            )
-            rows = byte_rows(tensor[frame.layer])
-            views += [
-                rows[d : d + n]
-                for d, n in zip(dest[starts].tolist(), lengths.tolist(), strict=True)
-            ]
+        local, remote, views = [], [], []  # views: the landed bytes in payload order
+        for layer in frame.layers:
+            for tensor, row, (address, layer_stride, _) in zip(
+                self._parts, self._rows, self._layout, strict=True
+            ):
+                sizes = lengths * row
+                local.append(
+                    np.stack((_layer_address(tensor, layer) + dest[starts] * row, sizes), 1)
+                )
+                remote.append(
+                    np.stack((address + layer * layer_stride + source[starts] * row, sizes), 1)
+                )
+                rows = byte_rows(tensor[layer])
+                views += [
+                    rows[d : d + n]
+                    for d, n in zip(dest[starts].tolist(), lengths.tolist(), strict=True)
+                ]
         deadline = time.monotonic() + READ_TIMEOUT_S
         note = f"{lease_id}:{frame.seq}".encode()
         self.agent.read(
             self.peer, np.concatenate(local), np.concatenate(remote), note, deadline, cancelled
         )
-        self._checks.append((frame.layer, frame.data_crc, self._checker.submit(_crc, views)))
+        self._checks.append((frame.layers, frame.data_crc, self._checker.submit(_crc, views)))
         while self._checks and self._checks[0][2].done():  # a bad frame fails early
             self._check(*self._checks.pop(0))
 
@@ -325,9 +324,10 @@ class NixlStreamReader:
             self._check(*self._checks.pop(0))
 
     @staticmethod
-    def _check(layer: int, expected: int, crc: Future) -> None:
+    def _check(layers: range, expected: int, crc: Future) -> None:
         if crc.result() != expected:
-            raise FrameError(f"KV data of layer {layer} corrupted in transit (checksum mismatch)")
+            which = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+            raise FrameError(f"KV data of {which} corrupted in transit (checksum mismatch)")
 
 
 def _crc(views: list[np.ndarray]) -> int:

@@ -380,6 +380,10 @@ class _Transfer:
         # CUDA: copies on a side stream of their own, so they never queue behind (or hold up)
         # the engine's kernels; the end records an event the admission waits on.
         copies = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+
+        def on_copies():
+            return torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext()
+
         lo = self.server.kv_heads[0]
         heads = slice(self.heads[0] - lo, self.heads[1] - lo)  # of this cache's heads
         num_kv_frames = 0
@@ -411,26 +415,35 @@ class _Transfer:
                 return
             if isinstance(frame, frames.Handshake):
                 raise FrameError("a second handshake in one KV stream")
-            layer, start, count = frame.layer, frame.block_start, frame.block_count
-            _check_blocks(layer, start, count, next_block, num_blocks)
+            start, count = frame.block_start, frame.block_count
+            for layer in frame.layers:
+                _check_blocks(layer, start, count, next_block, num_blocks)
             if isinstance(frame, frames.ReadyFrame):  # NIXL: the blocks wait at the sender
                 if self.nixl is None:
                     raise FrameError("a kv_ready frame in a stream that did not ask for NIXL")
                 ids = lease.block_ids[start : start + count]
                 leases.write(lease, self.nixl.read, lease.lease_id, frame, ids, self._cancelled)
-                next_block[layer] += count
-                num_kv_frames += 1
                 self.payload_bytes += frame.nbytes
-                continue
-            with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
-                blocks = LayerKV(
-                    *decode_chunk(frame.payload, count, spec, cache.dtype, cache.device)
-                )
+            else:
+                payload = memoryview(frame.payload)
+                size = spec.chunk_bytes(count)  # of one layer
+                if payload.nbytes != size * frame.layer_count:
+                    raise FrameError(
+                        f"payload of {frame.layer_count} layers of {count} blocks must be "
+                        f"{size * frame.layer_count} bytes, got {payload.nbytes}"
+                    )
                 ids = block_ids[start : start + count]
-                leases.write(lease, cache.scatter, layer, ids, blocks, heads)
-            next_block[layer] += count
+                for i, layer in enumerate(frame.layers):
+                    with on_copies():
+                        chunk = payload[i * size : (i + 1) * size]
+                        blocks = LayerKV(
+                            *decode_chunk(chunk, count, spec, cache.dtype, cache.device)
+                        )
+                        leases.write(lease, cache.scatter, layer, ids, blocks, heads)
+                self.payload_bytes += payload.nbytes
+            for layer in frame.layers:
+                next_block[layer] += count
             num_kv_frames += 1
-            self.payload_bytes += memoryview(frame.payload).nbytes
         raise FrameError("KV stream truncated: it ended before the final frame")
 
 

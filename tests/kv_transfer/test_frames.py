@@ -31,7 +31,9 @@ def test_round_trip_of_each_frame_type():
     assert frames.decode_frame(*frames.encode_handshake(hs)) == hs
     assert hs.num_blocks == 3
     kv = frames.decode_frame(*frames.encode_kv(2, 4, 3, b"abc"))
-    assert kv == frames.KVFrame(2, 4, 3, b"abc")
+    assert kv == frames.KVFrame(2, 4, 3, b"abc") and kv.layers == range(2, 3)
+    several = frames.decode_frame(*frames.encode_kv(2, 4, 3, b"abcdef", layer_count=2))
+    assert several == frames.KVFrame(2, 4, 3, b"abcdef", 2) and several.layers == range(2, 4)
     assert frames.decode_frame(*frames.encode_end(17, 9)) == frames.EndFrame(17, 9)
     forked = frames.decode_frame(*frames.encode_end(17, 9, [4, 5]))
     assert forked == frames.EndFrame(17, 9, (4, 5))
@@ -39,7 +41,9 @@ def test_round_trip_of_each_frame_type():
     assert frames.decode_frame(*frames.encode_handshake(nixl)) == nixl
     ready = frames.decode_frame(*frames.encode_ready(1, 2, 0, [7, 3], [b"ab", b"cd"]))
     assert (ready.layer, ready.block_start, ready.block_count, ready.seq) == (1, 2, 2, 0)
-    assert ready.source_blocks == (7, 3) and ready.nbytes == 4
+    assert ready.source_blocks == (7, 3) and ready.nbytes == 4 and ready.layer_count == 1
+    ready = frames.decode_frame(*frames.encode_ready(1, 2, 3, [7, 3], [b"ab", b"cd"], 2))
+    assert (ready.layers, ready.seq, ready.nbytes) == (range(1, 3), 3, 4)
 
 
 def test_checksum_covers_meta_and_payload():
@@ -57,6 +61,7 @@ def test_checksum_covers_meta_and_payload():
         {"type": "kv", "layer": True, "block_start": 0, "block_count": 1},
         {"type": "kv", "layer": 0, "block_start": 0, "block_count": 0},
         {"type": "kv", "layer": "0", "block_start": 0, "block_count": 1},
+        {"type": "kv", "layer": 0, "block_start": 0, "block_count": 1, "layer_count": 0},
         {"type": "end"},
         {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": [1, -2]},
         {"type": "end", "first_token": 1, "num_kv_frames": 2, "fork_tokens": 3},

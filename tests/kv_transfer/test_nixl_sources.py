@@ -54,8 +54,14 @@ class FakeStream:
     def check_blocks(self, first_block: int, count: int) -> None:
         assert first_block + count <= self.handshake.num_blocks
 
-    def send_encoded(self, encode, nbytes: int) -> None:
-        self.frames.append(encode())
+    def send_ready(self, layer: int, first_block: int, source_blocks, data) -> None:
+        from kv_transfer import frames
+
+        seq = len(self.frames)
+        self.frames.append(frames.encode_ready(layer, first_block, seq, source_blocks, data))
+
+    def seal_ready_frames(self) -> int:
+        return len(self.frames)
 
     def finish(self, first_token, fork_tokens=()):
         if self.refuse:
@@ -203,11 +209,10 @@ def test_a_cancelled_read_returns_promptly_and_lands_nothing_after():
 
 @pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
 def test_a_block_that_differs_from_its_checksum_is_refused_and_its_lease_released():
-    import functools
     import threading
 
     from engine.block_manager import BlockManager
-    from kv_transfer import frames, transport
+    from kv_transfer import transport
     from kv_transfer.lease import LeaseTable
     from kv_transfer.options import KVTransferOptions
     from tests.kv_transfer.helpers import BLOCK_SIZE, FINGERPRINT, MODEL, TOKEN
@@ -221,29 +226,67 @@ def test_a_block_that_differs_from_its_checksum_is_refused_and_its_lease_release
     try:
         lease = leases.reserve("bad-crc", 2 * BLOCK_SIZE)
         stream = send.open(recv.handle_for(lease), "bad-crc", 2 * BLOCK_SIZE)
-        inner = stream._stream.send_encoded
+        inner = stream._stream.send_ready
 
-        def flip_one_layer(encode, nbytes):
-            meta, payload, crc = encode()
-            ready = frames.decode_frame(meta, payload, crc)
-            if ready.layer == 1:  # as if a byte of this layer changed on the way
-                encode = functools.partial(
-                    frames.encode_ready,
-                    ready.layer,
-                    ready.block_start,
-                    ready.seq,
-                    ready.source_blocks,
-                    [bytes(ready.nbytes)],  # the right size, other bytes
-                )
-            inner(encode, nbytes)
+        def flip_one_layer(layer, first_block, source_blocks, data):
+            if layer == 1:  # as if a byte of this layer changed on the way
+                data = [bytes(sum(memoryview(d).nbytes for d in data))]  # the right size
+            inner(layer, first_block, source_blocks, data)
 
-        stream._stream.send_encoded = flip_one_layer
+        stream._stream.send_ready = flip_one_layer
         for layer in range(MODEL.num_layers):
             stream.send_layer(layer, torch.tensor([4, 2]), 0)
         with pytest.raises(KVTransferError, match="corrupted"):
             stream.finish(first_token=1)
         assert lease.state == "released" and leases.active() == 0
         assert recv.stats().transfers_failed == 1
+    finally:
+        send.close()
+        recv.stop()
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))
+def test_layers_ready_together_are_one_read_and_land_exactly():
+    """A backlog of layers (the drain thread busy) goes as one kv_ready frame of several
+    layers, one READ; every layer's blocks land in the lease exactly."""
+    import threading
+
+    from engine.block_manager import BlockManager
+    from kv_transfer import transport
+    from kv_transfer.lease import LeaseTable
+    from kv_transfer.options import KVTransferOptions
+    from kv_transfer.sender import _Piece
+    from tests.kv_transfer.helpers import BLOCK_SIZE, FINGERPRINT, MODEL, TOKEN, equal_bytes
+
+    options = KVTransferOptions(transport="nixl", token=TOKEN)
+    leases = LeaseTable(BlockManager(16, BLOCK_SIZE), threading.RLock(), default_timeout_s=10.0)
+    recv_cache, send_cache = make_cache(torch.bfloat16), make_cache(torch.bfloat16)
+    recv = transport("nixl").recv_side(FINGERPRINT, options)
+    recv.start(recv_cache, leases)
+    send = transport("nixl").send_side(send_cache, FINGERPRINT, options)
+    try:
+        lease = leases.reserve("merged", 2 * BLOCK_SIZE)
+        stream = send.open(recv.handle_for(lease), "merged", 2 * BLOCK_SIZE)
+        inner, gate, taken = stream._stream._next_item, threading.Event(), []
+
+        def gated_next_item():  # the drain thread waits once it took layer 0
+            item = inner()
+            if isinstance(item, tuple) and isinstance(item[1], _Piece):
+                taken.append(item)
+                gate.wait(10)
+            return item
+
+        stream._stream._next_item = gated_next_item
+        for layer in range(MODEL.num_layers):
+            stream.send_layer(layer, torch.tensor([4, 2]), 0)
+            if layer == 0:
+                _wait(lambda: len(taken) == 1)
+        gate.set()
+        result = stream.finish(first_token=1)
+        assert result.num_frames == 3  # handshake, one kv_ready of every layer, end
+        assert lease.state == "complete"
+        for got, sent in ((recv_cache.k, send_cache.k), (recv_cache.v, send_cache.v)):
+            assert equal_bytes(got[:, lease.block_ids], sent[:, [4, 2]])
     finally:
         send.close()
         recv.stop()

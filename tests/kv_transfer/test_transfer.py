@@ -165,6 +165,16 @@ def _bad_streams(lease, k, v):
             "out of range",
         ),
         "wrong payload size": ([hs, short], "INVALID_ARGUMENT", "bytes"),
+        "layers past the last": (
+            [hs, pb(frames.encode_kv(L - 1, 0, 2, bytes(layers[0].payload) * 2, 2))],
+            "INVALID_ARGUMENT",
+            "out of range",
+        ),
+        "one layer's payload for two": (
+            [hs, pb(frames.encode_kv(0, 0, 2, bytes(layers[0].payload), 2))],
+            "INVALID_ARGUMENT",
+            "payload of 2 layers",
+        ),
         "bad checksum": ([hs, corrupt], "INVALID_ARGUMENT", "checksum"),
         "truncated": ([hs, *layers], "INVALID_ARGUMENT", "truncated"),
         "empty": ([], "INVALID_ARGUMENT", "empty"),
@@ -182,6 +192,8 @@ BAD = [
     "layer out of range",
     "blocks out of range",
     "wrong payload size",
+    "layers past the last",
+    "one layer's payload for two",
     "bad checksum",
     "truncated",
     "empty",
@@ -215,6 +227,57 @@ def test_bad_stream_is_refused_and_changes_nothing(receiver, case):
     good = receiver.leases.reserve("req-good", 2 * BLOCK_SIZE)
     _send(receiver.address, good, k, v)
     assert equal_bytes(receiver.cache.k[:, good.block_ids], k)
+
+
+class _HeldCall:
+    """A Push call whose transport takes nothing until ``result``: every layer is queued by
+    then (a backlog), and the frames the stream sends are kept."""
+
+    def __init__(self, frames_iterator) -> None:
+        self._frames = frames_iterator
+        self.sent = []
+
+    def done(self) -> bool:
+        return False
+
+    def result(self, timeout=None):
+        for meta, payload, crc in self._frames:
+            joined = payload if isinstance(payload, bytes) else b"".join(bytes(p) for p in payload)
+            self.sent.append((meta, joined, crc))
+
+
+def test_layers_that_wait_together_go_as_one_frame(receiver):
+    """A backlog of layers leaves as frames of several layers (each frame costs a fixed time),
+    never larger than max_frame_bytes, and a receiver stores them exactly."""
+    lease = receiver.leases.reserve("req-merged", 2 * BLOCK_SIZE)
+    k, v = _layers(2, torch.bfloat16, seed=3)
+    layer_bytes = 2 * k[0].numel() * k.element_size()
+    sender = KVSender(
+        "127.0.0.1:1", TOKEN, max_frames_in_flight=64, max_frame_bytes=2 * layer_bytes
+    )
+    calls = []
+
+    def future(frames_iterator, **kw):
+        calls.append(_HeldCall(frames_iterator))
+        return calls[0]
+
+    sender._stub = type("Stub", (), {"Push": type("M", (), {"future": staticmethod(future)})()})()
+    stream = sender.open(
+        "req-merged", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L, "passthrough", k.dtype
+    )
+    for layer in range(L):
+        stream.send_layer(layer, k[layer], v[layer])
+    stream.finish(first_token=5)
+    sender.close()
+    decoded = [frames.decode_frame(*f) for f in calls[0].sent]
+    kv = [f for f in decoded if isinstance(f, frames.KVFrame)]
+    assert L == 3 and [(f.layer, f.layer_count) for f in kv] == [(0, 2), (2, 1)]
+    assert decoded[-1] == frames.EndFrame(5, len(kv)) and stream.num_frames == len(decoded)
+    code, details = push_raw(receiver.address, [pb(f) for f in calls[0].sent])
+    assert code == grpc.StatusCode.OK, details
+    assert lease.state == "complete"
+    assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
+    assert equal_bytes(receiver.cache.v[:, lease.block_ids], v)
 
 
 def test_expired_lease_is_refused(receiver):
@@ -367,7 +430,8 @@ def test_backpressure_bounds_frames_in_flight():
     worker = threading.Thread(target=send)
     worker.start()
     time.sleep(0.3)
-    assert worker.is_alive() and stream.num_frames == 3  # handshake + 2 frames, then blocked
+    # handshake + 2 frames queued, nothing sent, then blocked
+    assert worker.is_alive() and stream._queue.qsize() == 3 and stream.num_frames == 0
     stream.abort("test")
     worker.join(2)
     assert not worker.is_alive() and errors and errors[0].code == "CANCELLED"
