@@ -30,6 +30,7 @@ CASES = [
     (torch.float16, 4, 2, 64, [19, 64], False, 2e-3),
     (torch.float32, 8, 2, 64, [33, 150], True, 1e-5),  # fp8 cache with per-block scales
     (torch.bfloat16, 8, 2, 64, [33, 9], True, 8e-3),
+    (torch.bfloat16, 8, 2, 64, [33, 9, 1, 48, 16], True, 8e-3),  # whole sequences per thread
 ]
 
 
@@ -47,10 +48,15 @@ def test_c_kernel_equals_reference(dtype, hq, hkv, d, lens, fp8, tol):
 
 
 @needs_c
-def test_strided_queries_and_thread_counts_give_the_same_bits():
-    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(torch.float32, 9, 3, 64, [50, 7, 90])
+@pytest.mark.parametrize(
+    "dtype, fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_strided_queries_and_thread_counts_give_the_same_bits(dtype, fp8):
+    """One thread takes whole sequences (every KV head of a block in one pass), two threads
+    (sequence, KV head) pairs here: the same sums in the same order either way."""
+    (q, k, v, ks, vs, tables, ctx), scale = _paged_case(dtype, 9, 3, 64, [50, 7, 90], fp8=fp8)
     plan = decode_plan(tables, ctx.tolist(), k.shape[1])
-    fused = torch.cat([q, torch.randn(3, 3, 64)], dim=1)  # [B, Hq + Hkv, D], as the model's qk
+    fused = torch.cat([q, torch.randn(3, 3, 64).to(q.dtype)], dim=1)  # [B, Hq + Hkv, D]: qk
     strided = fused[:, :9]
     assert not strided.is_contiguous()
     threads = torch.get_num_threads()
