@@ -13,13 +13,16 @@ at once (no model runs), so the numbers are the transport's own ceiling. Modes:
 
 Reported: payload GB/s (bytes on the wire), effective KV GB/s (bytes those tokens occupy in a
 bf16 cache, delivered per second), and the raw-socket GB/s for the passthrough byte count.
-By default the kv frames go over the gRPC stream (hand-serialised frames), as the workers
-send them; ``--data-channel`` measures the opt-in raw TCP data channel instead. The source tensors are never modified, so they are
-sent with ``copy=False`` (no defensive copy of the caller's CPU tensors).
+The gRPC transport runs as the workers run it by default: the kv frames of a transfer of
+at least ``kv.data_channel_min_bytes`` over its raw TCP data channel, smaller ones over the
+gRPC stream (hand-serialised frames); ``--no-data-channel`` sends every frame over the gRPC
+stream. The source tensors are never modified, so they are sent with ``copy=False`` (no
+defensive copy of the caller's CPU tensors).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import threading
@@ -34,7 +37,10 @@ from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import PagedKVCache
 from kv_transfer import KVReceiverServer, KVSender, LeaseTable
 from kv_transfer.codec import FP8
+from kv_transfer.options import KVTransferOptions
 from kv_transfer.sender import DEFAULT_MAX_FRAME_BYTES
+
+KV_DEFAULTS = KVTransferOptions()  # how the workers run the gRPC transport
 
 LLAMA3_8B = ModelConfig(
     architecture="llama",
@@ -88,7 +94,7 @@ def measure_grpc(
     repeats: int,
     max_frame_bytes: int,
     frames_in_flight: int,
-    data_channel: bool = False,
+    data_channel: bool = KV_DEFAULTS.data_channel,
 ) -> dict:
     """Best of ``repeats`` transfers of ``tokens`` tokens in ``mode``, into a fresh cache."""
     blocks = -(-tokens // block_size)
@@ -113,6 +119,7 @@ def measure_grpc(
             timeout_s=600,
             max_frame_bytes=max_frame_bytes,
             data_channel=data_channel,
+            data_channel_min_bytes=KV_DEFAULTS.data_channel_min_bytes,
         ) as sender:
             for i in range(repeats):
                 lease = leases.reserve(f"bench-{i}", tokens)
@@ -195,7 +202,7 @@ def run_transfer_benchmark(
     frames_in_flight: int = 8,
     model: ModelConfig = LLAMA3_8B,
     log=print,
-    data_channel: bool = False,
+    data_channel: bool = KV_DEFAULTS.data_channel,
 ) -> list[dict]:
     """One row per token count: raw socket (and memcpy), then each mode (by default
     ``available_modes()``). Returns the rows (also printed)."""
@@ -205,7 +212,11 @@ def run_transfer_benchmark(
         f"{model.head_dim}, bf16 cache, block {block_size}; frames <= {max_frame_bytes >> 20} "
         f"MiB, {frames_in_flight} in flight; best of {repeats}; torch threads "
         f"{torch.get_num_threads()}; kv frames over "
-        f"{'the TCP data channel' if data_channel else 'gRPC'}"
+        + (
+            f"the TCP data channel from {KV_DEFAULTS.data_channel_min_bytes >> 20} MiB a transfer"
+            if data_channel
+            else "gRPC"
+        )
     )
     # Warm-up: gRPC channel setup, codec paths.
     for mode in modes:
@@ -300,8 +311,11 @@ def add_transfer_parser(bench_subparsers) -> None:
     p.add_argument("--frames-in-flight", type=int, default=8)
     p.add_argument(
         "--data-channel",
-        action="store_true",
-        help="send the kv frames over the opt-in TCP data channel instead of the gRPC stream",
+        action=argparse.BooleanOptionalAction,
+        default=KV_DEFAULTS.data_channel,
+        help="gRPC transport: the kv frames of transfers of at least kv.data_channel_min_bytes "
+        "over the TCP data channel, as the workers do by default (--no-data-channel: every "
+        "frame over the gRPC stream)",
     )
     p.add_argument(
         "--into-decode-worker",

@@ -45,8 +45,11 @@ and parsed by hand (kv_transfer.wire).
 (``kv-data-port``, ``kv-data-ticket``); the sender connects, presents ``wire.DATA_MAGIC``, its
 ``Bearer`` token and the ticket (``wire.data_preamble``), then writes each kv frame as a
 little-endian u32 length followed by the same ``Frame`` encoding, and a zero length when the
-kv frames are done. The end frame and the status still travel on the gRPC stream. A receiver
-that declines (``kv-data-port: none``) gets every frame over gRPC.
+kv frames are done. The end frame and the status still travel on the gRPC stream. After an
+offer the sender's next gRPC frame answers it: ``{"type": "data_channel", "connected"}``;
+a sender that could not connect (a port the network does not let through) says false and
+sends its kv frames over gRPC. A receiver that declines (``kv-data-port: none``) gets every
+frame over gRPC, and no answer.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
 
-# 5: frames of several layers; 4: NIXL reads the sender's cache in place; 3: streams of some KV
-# heads; 2: CRC32C checksums (1: zlib CRC-32)
+# 5: frames of several layers, the data channel offer answered; 4: NIXL reads the sender's
+# cache in place; 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
 PROTOCOL_VERSION = 5
 # Per layer, K then V, each [num_blocks, block_size, num_kv_heads, head_dim], row-major: the
 # PagedKVCache layout, so a payload is a straight copy of pages.
@@ -75,6 +78,7 @@ HANDSHAKE = "handshake"
 KV = "kv"
 END = "end"
 READY = "kv_ready"
+DATA_ANSWER = "data_channel"
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,14 @@ class EndFrame:
     fork_tokens: tuple[int, ...] = ()
 
 
-Frame = Handshake | KVFrame | ReadyFrame | EndFrame
+@dataclass(frozen=True)
+class DataAnswer:
+    """The sender's answer to a data channel offer: whether it connected."""
+
+    connected: bool
+
+
+Frame = Handshake | KVFrame | ReadyFrame | EndFrame | DataAnswer
 
 
 def checksum(meta: bytes, payload: bytes) -> int:
@@ -236,6 +247,10 @@ def encode_end(
     if fork_tokens:
         meta["fork_tokens"] = list(fork_tokens)
     return encode_frame(meta)
+
+
+def encode_data_answer(connected: bool) -> tuple[bytes, bytes, int]:
+    return encode_frame({"type": DATA_ANSWER, "connected": connected})
 
 
 def normalise_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -395,6 +410,8 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             num_kv_frames=_int(fields, "num_kv_frames"),
             fork_tokens=tuple(forks),
         )
+    if kind == DATA_ANSWER:
+        return DataAnswer(connected=_bool(fields, "connected"))
     raise FrameError(f"unknown frame type {kind!r}")
 
 

@@ -196,6 +196,7 @@ class GrpcSendSide(KVSendSide):
                     max_frames_in_flight=options.max_frames_in_flight,
                     timeout_s=options.lease_timeout_s,
                     data_channel=options.data_channel,
+                    data_channel_min_bytes=options.data_channel_min_bytes,
                 )
             return sender
 

@@ -17,9 +17,14 @@ class KVTransferOptions:
     host: str = "127.0.0.1"  # where decode workers' KV receivers listen
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
-    # gRPC, opt-in: kv frames over a second, raw TCP port negotiated in the gRPC handshake
-    # (same token, optional TLS); ~2x loopback throughput, but the port must be reachable.
-    data_channel: bool = False
+    # gRPC: the kv frames of a transfer of at least data_channel_min_bytes go over a second,
+    # raw TCP port negotiated in the gRPC handshake (same token, optional TLS): ~2x gRPC's
+    # throughput (60-68% of a raw socket on loopback, against ~30%). A sender that cannot
+    # reach the port sends over gRPC instead (and stops asking for a minute). Below ~4 MiB
+    # the connection costs more than it saves (loopback: 2 MiB took 15 ms with it, 11 ms
+    # without; 8 MiB 11 against 14 ms).
+    data_channel: bool = True
+    data_channel_min_bytes: int = 4 << 20
     # A prefill ships finished layers' KV once this many bytes of them (in the cache's dtype)
     # are ready, and at each step's last layer; 0: every layer the moment it is done. Each
     # send wakes the sending threads, which then compete with the forward for the GIL and
@@ -45,6 +50,8 @@ class KVTransferOptions:
             raise EngineError("kv lease_timeout_s must be positive")
         if self.layer_burst_bytes < 0:
             raise EngineError("kv layer_burst_bytes must be 0 or more")
+        if self.data_channel_min_bytes < 0:
+            raise EngineError("kv data_channel_min_bytes must be 0 or more")
         if self.max_frames_in_flight < 1:
             raise EngineError("kv max_frames_in_flight must be at least 1")
         if (self.tls_cert is None) != (self.tls_key is None):

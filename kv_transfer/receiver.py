@@ -13,7 +13,7 @@ is caught by the lease deadline (sweeper thread) and by the RPC's deadline.
 Fast path: the Push method is registered with a hand-written deserializer
 (:func:`wire.parse_wire`), so a frame's payload is a ``memoryview`` of the received message
 and goes into the cache through ``torch.frombuffer`` without a copy of its own. A handshake
-asking for a data channel gets one when ``data_channel=True`` here (opt-in): the server
+asking for a data channel gets one when ``data_channel=True`` here: the server
 sends the port of its data listener and a one-use ticket as gRPC initial metadata; the
 sender's TCP (TLS when the server is) connection must present the same token and the ticket;
 its kv frames are received into a reused buffer, then checked and stored exactly as frames
@@ -301,7 +301,7 @@ class _Transfer:
                 self.nixl = self.server.nixl.stream(handshake, self.cache)
             if handshake.data_channel:
                 if self.server._data is not None:
-                    self._open_data_channel(lease)
+                    self._open_data_channel(lease, it)
                 else:  # the sender waits for an answer: kv frames over gRPC, then
                     self.context.send_initial_metadata((("kv-data-port", "none"),))
             self._receive_layers(it, spec, lease)
@@ -343,14 +343,26 @@ class _Transfer:
                 f"blocks) but lease {lease.lease_id} holds {len(lease.block_ids)} blocks"
             )
 
-    def _open_data_channel(self, lease: Lease) -> None:
-        """Offer the data channel (port + ticket as initial metadata), wait for the sender's
-        authenticated connection."""
+    def _open_data_channel(self, lease: Lease, it) -> None:
+        """Offer the data channel (port + ticket as initial metadata) and take the sender's
+        answer, its next gRPC frame: connected, wait for its authenticated connection; not
+        (the port is out of its reach), the kv frames come over gRPC."""
         listener = self.server._data
         self._ticket, slot = listener.expect()
         self.context.send_initial_metadata(
             (("kv-data-port", str(listener.port)), ("kv-data-ticket", self._ticket))
         )
+        message = next(it, None)
+        if message is None:
+            raise FrameError("KV stream truncated: it ended before answering the data offer")
+        answer = _decode(message)
+        if not isinstance(answer, frames.DataAnswer):
+            raise FrameError(
+                f"expected the answer to the data channel offer, got a {type(answer).__name__}"
+            )
+        if not answer.connected:
+            listener.forget(self._ticket)
+            return
         deadline = time.monotonic() + DATA_CONNECT_TIMEOUT_S
         while not slot.ready.wait(POLL_S):
             self._check_alive()
@@ -415,6 +427,8 @@ class _Transfer:
                 return
             if isinstance(frame, frames.Handshake):
                 raise FrameError("a second handshake in one KV stream")
+            if isinstance(frame, frames.DataAnswer):
+                raise FrameError("a data channel answer where no offer was made")
             start, count = frame.block_start, frame.block_count
             for layer in frame.layers:
                 _check_blocks(layer, start, count, next_block, num_blocks)

@@ -8,13 +8,15 @@ layer and enqueues its frames (views of the layer's CPU tensors, no payload copy
 once ``max_frames_in_flight`` frames wait (backpressure: memory held by a slow transfer is
 bounded by that many frames).
 
-Data path: by default the kv frames go over the gRPC stream, serialised by hand (no protobuf
-objects). Opt-in (``data_channel=True``): the handshake asks for a data channel; when
-the receiver offers one (gRPC initial metadata, see :mod:`kv_transfer.frames`), the drain
-thread connects to it (TLS when the channel is TLS), authenticates with the same token plus
-the stream's ticket, and writes the kv frames there with ``sendmsg`` straight from the
-tensors' memory; the handshake, the end frame and the receiver's status stay on gRPC. It
-about doubles loopback throughput but needs a second port open on the decode host.
+Data path: the kv frames go over the gRPC stream, serialised by hand (no protobuf objects),
+unless the sender was made with ``data_channel=True`` and the transfer carries at least
+``data_channel_min_bytes``: then the handshake asks for a data channel; when the receiver
+offers one (gRPC initial metadata, see :mod:`kv_transfer.frames`), the drain thread connects
+to it (TLS when the channel is TLS), authenticates with the same token plus the stream's
+ticket, and writes the kv frames there with ``sendmsg`` straight from the tensors' memory;
+the handshake, the end frame and the receiver's status stay on gRPC. It about doubles
+loopback throughput. A port it cannot reach (a firewall) sends the frames over gRPC, and the
+sender does not ask again for ``DATA_RETRY_AFTER_S``.
 
 Thread-safety: a ``KVSender`` may be shared by threads (gRPC channels are thread-safe); one
 ``TransferStream`` is driven by one thread.
@@ -22,13 +24,14 @@ Thread-safety: a ``KVSender`` may be shared by threads (gRPC channels are thread
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -46,6 +49,8 @@ from kv_transfer.errors import KVTransferError
 from kv_transfer.receiver import grpc_options
 from protos import kv_transfer_pb2
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 # The most bytes one kv_ready frame names: each frame costs ~3.6 ms on this path whatever its
 # size (measured, 2 cores), so layers ready together go as one larger READ.
@@ -55,6 +60,10 @@ _DONE = object()  # ends the request iterator
 # Queued items: kv frames may take the data channel, control frames not; kv_ready frames (NIXL)
 # are numbered and checksummed on the drain thread, the end frame counts what went before it.
 _KV, _CONTROL, _READY, _END = 0, 1, 2, 3
+# How long a sender tries to reach a data channel before sending over gRPC instead, and how
+# long it then sends over gRPC without asking again.
+DATA_CONNECT_TIMEOUT_S = 2.0
+DATA_RETRY_AFTER_S = 60.0
 _STATUS_WAIT_S = 2.0  # after a data-channel error: how long to wait for the receiver's status
 
 
@@ -97,6 +106,7 @@ class KVSender:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         tls_server_name: str | None = None,
         data_channel: bool = False,
+        data_channel_min_bytes: int = 0,
     ) -> None:
         if max_frames_in_flight < 1:
             raise ValueError("max_frames_in_flight must be at least 1")
@@ -105,6 +115,8 @@ class KVSender:
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.data_channel = data_channel
+        self.data_channel_min_bytes = data_channel_min_bytes
+        self._data_retry_at = 0.0  # ask for the data channel from then on
         self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
@@ -127,6 +139,21 @@ class KVSender:
             response_deserializer=kv_transfer_pb2.PushReply.FromString,
         )
         self._stub = type("KVTransferStub", (), {"Push": push})()
+
+    def wants_data_channel(self) -> bool:
+        """Whether a new stream asks for the data channel: when configured, unless its port
+        was out of reach within the last DATA_RETRY_AFTER_S."""
+        return self.data_channel and time.monotonic() >= self._data_retry_at
+
+    def data_channel_unreachable(self, port, err: BaseException) -> None:
+        """A stream could not connect to the data channel: the next streams use gRPC alone
+        for a while. Any stream's thread may call it."""
+        if time.monotonic() >= self._data_retry_at:
+            logger.warning(
+                "KV data channel %s:%s unreachable (%s): kv frames go over gRPC for %.0f s",
+                self._host, port, err, DATA_RETRY_AFTER_S,
+            )  # fmt: skip
+        self._data_retry_at = time.monotonic() + DATA_RETRY_AFTER_S
 
     def connect_data(self, port: int, ticket: str, timeout_s: float):
         """The authenticated data connection of one stream (TLS when the channel is)."""
@@ -163,7 +190,6 @@ class KVSender:
             num_tokens=num_tokens,
             wire_dtype=wire_dtype,
             payload_dtype=dtype_name(payload_dtype),
-            data_channel=self.data_channel and not nixl_agent,
             nixl_agent=nixl_agent,
             nixl_layout=nixl_layout,
             nixl_blocks=nixl_blocks,
@@ -176,6 +202,9 @@ class KVSender:
             int(fingerprint["head_dim"]),
             payload_dtype,
         )
+        payload = num_layers * spec.chunk_bytes(handshake.num_blocks)
+        if not nixl_agent and payload >= self.data_channel_min_bytes and self.wants_data_channel():
+            handshake = replace(handshake, data_channel=True)
         return TransferStream(self, handshake, spec, num_layers, cache_dtype)
 
     def close(self) -> None:
@@ -416,8 +445,13 @@ class TransferStream:
                 return
             self.num_frames += 1
             yield item[1]  # the handshake
-            if self.handshake.data_channel and not self._open_data_channel():
-                return
+            if self.handshake.data_channel:
+                answer = self._open_data_channel()
+                if answer is _DONE:
+                    return
+                if answer is not None:
+                    self.num_frames += 1
+                    yield answer
             while True:
                 item = self._next_item()
                 if item is _DONE:
@@ -434,43 +468,45 @@ class TransferStream:
                             continue
                         self._data.sendall(b"\0\0\0\0")  # a zero length: kv frames done
                     except OSError as err:
-                        self._data_failed(err, wait_for_status=True)
+                        self._data_failed(err)
                         return
                     self._close_data()
                 yield frame
         finally:
             self._close_data()
 
-    def _open_data_channel(self) -> bool:
-        """After the handshake: use the data channel the receiver offers, if any. False when
-        the stream must end (the call died, or the channel could not be opened)."""
+    def _open_data_channel(self):
+        """After the handshake: connect to the data channel the receiver offers, if any.
+        Returns the answer frame to send (connected or not: a port out of reach sends the kv
+        frames over gRPC), None when the receiver declined (no answer), _DONE when the call
+        died."""
         try:
             metadata = dict(self._future.initial_metadata() or ())
         except Exception:  # the call died before the receiver answered
-            return False
+            return _DONE
         port, ticket = metadata.get("kv-data-port"), metadata.get("kv-data-ticket")
         if port is None or ticket is None:
             # Declined ("none"): the kv frames go over gRPC. No answer at all: the call died.
-            return not self._future.done()
+            return _DONE if self._future.done() else None
+        remaining = self._deadline - time.monotonic()
         try:
             self._data = self._sender.connect_data(
-                int(port), ticket, max(1.0, self._deadline - time.monotonic())
+                int(port), ticket, max(0.1, min(DATA_CONNECT_TIMEOUT_S, remaining))
             )
         except (OSError, ValueError) as err:
-            self._data_failed(err, wait_for_status=False)
-            return False
+            self._sender.data_channel_unreachable(port, err)
+            return frames.encode_data_answer(False)
         self.used_data_channel = True
-        return True
+        return frames.encode_data_answer(True)
 
-    def _data_failed(self, err: BaseException, *, wait_for_status: bool) -> None:
+    def _data_failed(self, err: BaseException) -> None:
         """The data channel broke: take the receiver's status if it comes (it may have
         refused the stream and closed the connection), else cancel the call."""
         self._data_error = err
-        if wait_for_status:
-            try:
-                self._future.exception(timeout=_STATUS_WAIT_S)
-            except Exception:
-                pass
+        try:
+            self._future.exception(timeout=_STATUS_WAIT_S)
+        except Exception:
+            pass
         if not self._future.done():
             self._future.cancel()
 

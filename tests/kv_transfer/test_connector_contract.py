@@ -29,7 +29,9 @@ from tests.kv_transfer.helpers import (
     snapshot,
 )
 
-VARIANTS = [(name, {}) for name in transport_names()] + [("grpc", {"data_channel": True})]
+VARIANTS = [(name, {}) for name in transport_names()] + [
+    ("grpc", {"data_channel": True, "data_channel_min_bytes": 0})
+]
 IDS = [name + ("-data-channel" if extra else "") for name, extra in VARIANTS]
 NUM_BLOCKS = 16
 L = MODEL.num_layers
@@ -219,7 +221,7 @@ from kv_transfer.options import KVTransferOptions
 from tests.kv_transfer.helpers import FINGERPRINT, TOKEN, make_cache
 name, extra = sys.argv[1], sys.argv[2] == "1"
 options = KVTransferOptions(transport=name, token=TOKEN, wire_dtype="passthrough",
-                            data_channel=extra)
+                            data_channel=extra, data_channel_min_bytes=0)
 send = transport(name).send_side(make_cache(torch.bfloat16), FINGERPRINT, options)
 print("ready", flush=True)
 handle_transport, lease_id, address = sys.stdin.readline().split()

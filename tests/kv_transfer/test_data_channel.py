@@ -25,6 +25,9 @@ from tests.kv_transfer.helpers import (
     TOKEN,
     equal_bytes,
     handshake,
+    layer_frames,
+    pb,
+    push_raw,
     random_blocks,
     snapshot,
     start_receiver,
@@ -102,6 +105,7 @@ def _layers(n, seed=0):
 
 def _send(address, lease, k, v, **kw):
     kw.setdefault("data_channel", True)
+    kw.setdefault("data_channel_min_bytes", 0)
     with KVSender(address, TOKEN, **kw) as sender:
         stream = sender.open(
             lease.request_id,
@@ -143,6 +147,57 @@ def test_round_trip_with_and_without_the_data_channel(sender_wants, receiver_off
         assert r.server.stats.bytes_received == result.payload_bytes
     finally:
         r.server.stop(0)
+
+
+def test_a_data_port_out_of_reach_falls_back_to_grpc_and_is_not_asked_again(receiver):
+    """The receiver offers its data channel but the sender cannot connect (a firewall): the
+    transfer completes over gRPC, and the sender's next streams do not ask for a while."""
+    k, v = _layers(2)
+    with KVSender(receiver.address, TOKEN, data_channel=True, data_channel_min_bytes=0) as sender:
+        tries = []
+
+        def unreachable(port, ticket, timeout_s):
+            tries.append(timeout_s)
+            raise ConnectionRefusedError("port closed")
+
+        sender.connect_data = unreachable
+        for i in range(2):
+            lease = receiver.leases.reserve(f"req-fw{i}", 2 * BLOCK_SIZE)
+            stream = sender.open(
+                lease.request_id, lease.lease_id, FINGERPRINT, BLOCK_SIZE, 32, L,
+                "passthrough", k.dtype,
+            )  # fmt: skip
+            assert stream.handshake.data_channel == (i == 0)
+            for layer in range(L):
+                stream.send_layer(layer, k[layer], v[layer])
+            stream.finish(first_token=3)
+            assert lease.state == "complete" and not stream.used_data_channel
+            assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
+            assert equal_bytes(receiver.cache.v[:, lease.block_ids], v)
+        assert len(tries) == 1 and 0 < tries[0] <= 2.0 and not sender.wants_data_channel()
+    assert receiver.server.stats.data_channel_transfers == 0
+
+
+def test_an_offer_must_be_answered_before_any_kv_frame(receiver):
+    lease = receiver.leases.reserve("req-na", 2 * BLOCK_SIZE)
+    k, v = _layers(2)
+    hs = pb(frames.encode_handshake(handshake(lease, data_channel=True)))
+    kv = layer_frames(0, k[0], v[0])
+    code, details = push_raw(receiver.address, [hs, *kv])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "answer" in details
+    assert lease.state == "released"
+    declined = pb(frames.encode_data_answer(False))  # then the same frames over gRPC do
+    lease = receiver.leases.reserve("req-na2", 2 * BLOCK_SIZE)
+    hs = pb(frames.encode_handshake(handshake(lease, data_channel=True)))
+    layers = [f for layer in range(L) for f in layer_frames(layer, k[layer], v[layer])]
+    end = pb(frames.encode_end(1, len(layers)))
+    assert push_raw(receiver.address, [hs, declined, *layers, end]) == (grpc.StatusCode.OK, "")
+    assert lease.state == "complete" and equal_bytes(receiver.cache.k[:, lease.block_ids], k)
+    stray = pb(frames.encode_data_answer(True))  # an answer nobody asked for
+    lease = receiver.leases.reserve("req-na3", 2 * BLOCK_SIZE)
+    hs = pb(frames.encode_handshake(handshake(lease)))
+    code, details = push_raw(receiver.address, [hs, stray, *layers, end])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no offer" in details
 
 
 def test_send_layer_copies_unless_told_not_to(receiver):
@@ -205,7 +260,9 @@ def push_over_data_channel(address, lease, data: list[bytes], *, end=True, finis
         yield frames.encode_handshake(handshake(lease, data_channel=True))
         started.wait(10)
         metadata = dict(call[0].initial_metadata())
-        with _data_connect_to(address, metadata) as conn:
+        conn = _data_connect_to(address, metadata)
+        yield frames.encode_data_answer(True)
+        with conn:
             try:
                 for chunk in data:
                     conn.sendall(chunk)
@@ -293,7 +350,8 @@ def test_sender_that_never_connects_is_timed_out(receiver, monkeypatch):
     channel = grpc.insecure_channel(receiver.address, options=grpc_options())
     push = channel.stream_unary(PUSH_METHOD, request_serializer=wire.serialize_wire)
     hs = frames.encode_handshake(handshake(lease, data_channel=True))
-    future = push.future(iter([hs]), metadata=(("authorization", f"Bearer {TOKEN}"),))
+    connected = frames.encode_data_answer(True)  # it says so, and does not
+    future = push.future(iter([hs, connected]), metadata=(("authorization", f"Bearer {TOKEN}"),))
     with pytest.raises(grpc.RpcError) as err:
         future.result(timeout=10)
     channel.close()
