@@ -392,10 +392,6 @@ class _Transfer:
         # CUDA: copies on a side stream of their own, so they never queue behind (or hold up)
         # the engine's kernels; the end records an event the admission waits on.
         copies = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
-
-        def on_copies():
-            return torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext()
-
         lo = self.server.kv_heads[0]
         heads = slice(self.heads[0] - lo, self.heads[1] - lo)  # of this cache's heads
         num_kv_frames = 0
@@ -447,8 +443,8 @@ class _Transfer:
                         f"{size * frame.layer_count} bytes, got {payload.nbytes}"
                     )
                 ids = block_ids[start : start + count]
-                for i, layer in enumerate(frame.layers):
-                    with on_copies():
+                with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
+                    for i, layer in enumerate(frame.layers):
                         chunk = payload[i * size : (i + 1) * size]
                         blocks = LayerKV(
                             *decode_chunk(chunk, count, spec, cache.dtype, cache.device)

@@ -69,11 +69,10 @@ _STATUS_WAIT_S = 2.0  # after a data-channel error: how long to wait for the rec
 
 @dataclass(frozen=True)
 class _Piece:
-    """Blocks of one layer waiting in the queue: a kv frame's payload parts (``_KV``), or views
-    of the cache blocks a kv_ready frame names (``_READY``). Pieces of consecutive layers with
-    the same blocks that wait together go out as one frame."""
+    """Blocks of one layer waiting in the queue: a kv frame's payload parts (``_KV`` items), or
+    views of the cache blocks a kv_ready frame names (``_READY`` items). Pieces of one kind,
+    of consecutive layers with the same blocks, that wait together go out as one frame."""
 
-    kind: int
     layer: int
     first_block: int
     block_count: int
@@ -84,8 +83,7 @@ class _Piece:
     def extends(self, last: _Piece) -> bool:
         """May follow ``last`` in its frame."""
         return (
-            self.kind == last.kind
-            and self.layer == last.layer + 1
+            self.layer == last.layer + 1
             and self.first_block == last.first_block
             and self.block_count == last.block_count
             and self.source_blocks == last.source_blocks
@@ -202,8 +200,11 @@ class KVSender:
             int(fingerprint["head_dim"]),
             payload_dtype,
         )
-        payload = num_layers * spec.chunk_bytes(handshake.num_blocks)
-        if not nixl_agent and payload >= self.data_channel_min_bytes and self.wants_data_channel():
+        if (
+            not nixl_agent
+            and self.wants_data_channel()
+            and num_layers * spec.chunk_bytes(handshake.num_blocks) >= self.data_channel_min_bytes
+        ):
             handshake = replace(handshake, data_channel=True)
         return TransferStream(self, handshake, spec, num_layers, cache_dtype)
 
@@ -296,7 +297,7 @@ class TransferStream:
         for start, n, parts in layer_chunk_parts(layer_payload, self._blocks_per_frame):
             # The checksum is taken by the drain thread, off the engine's thread.
             nbytes = sum(p.nbytes for p in parts)
-            self._put((_KV, _Piece(_KV, layer, first_block + start, n, parts, nbytes)))
+            self._put((_KV, _Piece(layer, first_block + start, n, parts, nbytes)))
             self.payload_bytes += nbytes
 
     def check_blocks(self, first_block: int, count: int) -> None:
@@ -322,9 +323,7 @@ class TransferStream:
         It numbers each frame (``seal_ready_frames``)."""
         self.check_blocks(first_block, len(source_blocks))
         nbytes = sum(memoryview(d).nbytes for d in data)
-        piece = _Piece(
-            _READY, layer, first_block, len(source_blocks), data, nbytes, tuple(source_blocks)
-        )
+        piece = _Piece(layer, first_block, len(source_blocks), data, nbytes, tuple(source_blocks))
         self._put((_READY, piece))
         self.payload_bytes += nbytes
 
@@ -392,17 +391,18 @@ class TransferStream:
                 if future is not None and future.done():
                     return _DONE
 
-    def _merged(self, first: _Piece) -> list[_Piece]:
-        """``first`` and the queued pieces that extend it, up to a frame's bytes: the layers
-        that wait together (a backlog) go as one frame. Takes only what is queued already."""
+    def _merged(self, kind: int, first: _Piece) -> list[_Piece]:
+        """``first`` and the queued pieces of its kind that extend it, up to a frame's bytes:
+        the layers that wait together (a backlog) go as one frame. Takes only what is queued
+        already."""
         run, nbytes = [first], first.nbytes
-        limit = self._sender.max_frame_bytes if first.kind == _KV else MAX_READY_FRAME_BYTES
+        limit = self._sender.max_frame_bytes if kind == _KV else MAX_READY_FRAME_BYTES
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return run
-            piece = item[1] if item is not _DONE and item[0] == first.kind else None
+            piece = item[1] if item is not _DONE and item[0] == kind else None
             if piece is None or not piece.extends(run[-1]) or nbytes + piece.nbytes > limit:
                 self._held_back = item
                 return run
@@ -413,7 +413,7 @@ class TransferStream:
         """A queued item's frame (kind, (meta, payload, crc)); None when nothing more may be
         sent (kv_ready frames were sealed)."""
         if kind == _KV or kind == _READY:
-            run = self._merged(item)
+            run = self._merged(kind, item)
             first = run[0]
             buffers = [b for piece in run for b in piece.buffers]
             if kind == _KV:

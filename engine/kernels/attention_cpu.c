@@ -161,7 +161,8 @@ static float softmax_numerators(float *restrict s, int64_t n) {
     for (int l = 0; l < LANES; l++) top_lane[l] = s[0];
     int64_t m = 0;
     for (; m + LANES <= n; m += LANES)
-        for (int l = 0; l < LANES; l++) top_lane[l] = s[m + l] > top_lane[l] ? s[m + l] : top_lane[l];
+        for (int l = 0; l < LANES; l++)
+            top_lane[l] = s[m + l] > top_lane[l] ? s[m + l] : top_lane[l];
     for (int l = 0; l < LANES; l++) top = top_lane[l] > top ? top_lane[l] : top;
     for (; m < n; m++) top = s[m] > top ? s[m] : top;
     for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
