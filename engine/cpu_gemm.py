@@ -1,7 +1,8 @@
 """GEMMs on CPU through the fastest BLAS at hand for each row count, chosen by measurement.
 
 Three libraries compute ``x @ W.T`` here: torch's ``F.linear`` (MKL), oneDNN's inner product
-(``torch.ops.mkldnn._linear_pointwise``), and OpenBLAS (the one numpy ships). oneDNN also
+(``torch.ops.mkldnn._linear_pointwise``), and OpenBLAS (the one numpy ships); on CPUs with
+AMX, our own bf16 kernel on AMX tiles ("amx", engine.kernels.amx_gemm) too. oneDNN also
 runs on weights reordered once into its own blocked layout ("onednn-packed"); given the plain
 layout it reorders them on every call, which costs a GEMV about a third of its time. Their
 speed differs by up to 2x on the same machine and shape, and which wins depends on the CPU:
@@ -13,8 +14,9 @@ row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row cou
 A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
 the weights of several layers, so each is read cold as in a real decode step. A GGUF model's
 weights may also run on their GGUF blocks ("gguf", engine.kernels.quantized_cpu: a fifth to
-an eighth of the bytes); the plan times that too, and keeps a dense choice per row count for
-the weights without blocks.
+an eighth of the bytes). "gguf" and "amx" take only some weights (those with blocks; bf16
+ones of whole tiles), so the plan also keeps, per row count, the fastest backend that takes
+every weight: the fallback for the weights they decline.
 
 The plan is measured once per machine and model shape and kept on disk (``cached_plan``):
 every replica on a machine then computes with the same libraries, so their results round
@@ -39,12 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine.kernels.amx_gemm import AmxGemm
 from engine.kernels.fused_cpu import silu_mul_native
 from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 T = TypeVar("T")
-PLAN_FORMAT = 2  # part of the cache key: plans measured before "onednn-packed" existed are stale
+PLAN_FORMAT = 3  # part of the cache key: plans measured before "amx" existed are stale
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -109,17 +112,20 @@ class QuantizedGemm:
         )
 
 
-# Stateless backends; "onednn-packed" holds packings and "gguf" blocks, so each GemmPlan has
-# its own.
+# Stateless backends; "onednn-packed" and "amx" hold packings and "gguf" blocks, so each
+# GemmPlan has its own.
 BACKENDS: dict[str, Callable] = {
     "torch": _torch_linear,
     "onednn": _onednn_linear,
     "openblas": _openblas_linear,
 }
-BACKEND_NAMES = (*BACKENDS, "onednn-packed", "gguf")
+# The backends that may decline a weight (returning None): the plan's fallback runs those.
+PARTIAL_BACKENDS = ("gguf", "amx")
+BACKEND_NAMES = (*BACKENDS, "onednn-packed", *PARTIAL_BACKENDS)
 
 
 def available_backends(dtype: torch.dtype, threads: int) -> list[str]:
+    """The backends that take every weight of ``dtype`` here."""
     names = ["torch"]
     if torch.backends.mkldnn.is_available():
         names += ["onednn", "onednn-packed"]
@@ -137,39 +143,47 @@ class GemmPlan:
     last bucket's choice). Built once per replica; read by every linear layer."""
 
     choices: dict[int, str] = field(default_factory=dict)  # bucket → backend name
-    # bucket → the dense backend for weights without GGUF blocks (where the choice is "gguf")
-    dense_choices: dict[int, str] = field(default_factory=dict)
+    # bucket → the backend for the weights the choice declines (where it is "gguf" or "amx")
+    fallback_choices: dict[int, str] = field(default_factory=dict)
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
     packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
+    amx: AmxGemm = field(default_factory=AmxGemm, repr=False)
     quantized: QuantizedGemm = field(default_factory=QuantizedGemm, repr=False)
 
     def __post_init__(self) -> None:
-        named = {*self.choices.values(), *self.dense_choices.values()}
+        named = {*self.choices.values(), *self.fallback_choices.values()}
         unknown = named - set(BACKEND_NAMES)
         if unknown:
             raise ValueError(f"unknown CPU GEMM backend(s) {sorted(unknown)}: {BACKEND_NAMES}")
-        if "gguf" in self.dense_choices.values():
-            raise ValueError("a dense choice cannot be 'gguf'")
+        partial = set(self.fallback_choices.values()) & set(PARTIAL_BACKENDS)
+        if partial:
+            raise ValueError(f"a fallback cannot be {sorted(partial)}: it may decline a weight")
 
     def prepare(self, weights: Sequence[torch.Tensor]) -> None:
-        """Pack the weights now if any row count runs on packed weights (at start-up: else
-        the first request would pay ~1 ms per weight)."""
-        if "onednn-packed" in {*self.choices.values(), *self.dense_choices.values()}:
-            for weight in weights:
+        """Pack the weights now for the packed backends the plan uses (at start-up: else the
+        first request would pay ~1 ms per weight), and drop the packings of those it does
+        not (measuring left them)."""
+        used = {*self.choices.values(), *self.fallback_choices.values()}
+        self.packed = self.packed if "onednn-packed" in used else PackedOneDNN()
+        self.amx = self.amx if "amx" in used else AmxGemm()
+        for weight in weights:
+            if "onednn-packed" in used:
                 self.packed.pack(weight)
+            if "amx" in used:
+                self.amx.pack(weight)
 
     def backend(self, name: str) -> Callable:
         if name == "gguf":
-            raise ValueError("'gguf' runs through GemmPlan.gemm, which falls back to dense")
-        return self.packed if name == "onednn-packed" else BACKENDS[name]
+            raise ValueError("'gguf' runs through GemmPlan.gemm, which has its fallback")
+        return {"onednn-packed": self.packed, "amx": self.amx}.get(name) or BACKENDS[name]
 
-    def choice_for(self, rows: int, dense: bool = False) -> str:
-        choices = self.dense_choices if dense else self.choices
+    def choice_for(self, rows: int, fallback: bool = False) -> str:
+        choices = self.fallback_choices if fallback else self.choices
         for bucket in BUCKETS:
             if rows <= bucket:
                 break
         chosen = choices.get(bucket) or self.choices.get(bucket, "torch")
-        return "torch" if dense and chosen == "gguf" else chosen
+        return "torch" if fallback and chosen in PARTIAL_BACKENDS else chosen
 
     def gemm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -177,11 +191,12 @@ class GemmPlan:
         """``x @ weight.T (+ bias)`` through the plan's backend for x's row count."""
         rows = x.shape[0]
         name = self.choice_for(rows)
-        if name == "gguf":
-            out = self.quantized(x, weight, bias)
+        if name in PARTIAL_BACKENDS:
+            partial = self.quantized if name == "gguf" else self.amx
+            out = partial(x, weight, bias)
             if out is not None:
                 return out
-            name = self.choice_for(rows, dense=True)
+            name = self.choice_for(rows, fallback=True)
         return self.backend(name)(x, weight, bias)
 
     def linear(
@@ -213,8 +228,8 @@ class GemmPlan:
     ) -> GemmPlan:
         """Time every available backend on ``weights`` (one layer's GEMM weights after
         another, as a forward reads them) at each bucket's row count; keep the fastest, and
-        the fastest dense one. "gguf" is timed where ``quantized`` holds every swept
-        weight's blocks.
+        the fastest that takes every weight. "gguf" is timed where ``quantized`` holds every
+        swept weight's blocks, "amx" where it takes every swept weight.
 
         Small row counts are memory-bound and sweep up to ``cold_layers`` layers' weights
         so the caches do not flatter them; large ones are compute-bound and sweep fewer."""
@@ -233,14 +248,16 @@ class GemmPlan:
                 except RuntimeError:  # e.g. oneDNN without support for this dtype here
                     continue
                 timings[name] = best_ms(lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x))
-            dense = min(timings, key=timings.get)
+            fallback = min(timings, key=timings.get)
             if all(w in plan.quantized.blocks for w in sweep):
                 timings["gguf"] = best_ms(
                     lambda q=plan.quantized, s=sweep, x=inputs: _sweep(q, s, x)
                 )
+            if dtype == torch.bfloat16 and all(AmxGemm.accepts(w) for w in sweep):
+                timings["amx"] = best_ms(lambda a=plan.amx, s=sweep, x=inputs: _sweep(a, s, x))
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
-            plan.dense_choices[rows] = dense
+            plan.fallback_choices[rows] = fallback
         return plan  # with the sweep's packings: they are the model's weights, packed
 
     def describe(self) -> str:
@@ -267,7 +284,7 @@ def cached_plan(
         plan = GemmPlan.measure(weights, quantized=quantized)
         data = {
             "choices": plan.choices,
-            "dense_choices": plan.dense_choices,
+            "fallback_choices": plan.fallback_choices,
             "timings_ms": plan.timings_ms,
         }
         return data, plan
@@ -275,7 +292,7 @@ def cached_plan(
     def parse(data: dict) -> GemmPlan:
         return GemmPlan(
             choices={int(k): v for k, v in data["choices"].items()},
-            dense_choices={int(k): v for k, v in data.get("dense_choices", {}).items()},
+            fallback_choices={int(k): v for k, v in data["fallback_choices"].items()},
             quantized=quantized,
         )
 

@@ -1,7 +1,7 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
 ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
 paged decode and bf16 prefill attention, RoPE with the KV store, RMSNorm, SiLU-and-mul,
-GEMMs on GGUF-quantised weights).
+GEMMs on GGUF-quantised weights, bf16 GEMMs on AMX tiles).
 
 An engine builds it while it loads (``load_shard``); other callers on first use. It is
 compiled once per machine (``-march=native``: it runs where it was built)
@@ -39,6 +39,7 @@ SOURCES = tuple(
         "prefill_attention_cpu.c",
         "fused_cpu.c",
         "quantized_cpu.c",
+        "gemm_amx.c",
     )
 )
 HEADERS = (_HERE / "cpu_native.h",)
@@ -126,4 +127,10 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.quantized_linear.restype = i32
     lib.quantized_dequantize.argtypes = [ptr, i32, i64, i64, ptr, i32]
     lib.quantized_dequantize.restype = i32
+    lib.amx_gemm_available.argtypes = []
+    lib.amx_gemm_available.restype = i32
+    lib.amx_pack_weight.argtypes = [ptr, i64, i64, ptr, i32]
+    lib.amx_pack_weight.restype = None
+    lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
+    lib.amx_linear_bf16.restype = i32
     return lib

@@ -104,7 +104,7 @@ def test_the_plan_runs_blocks_where_a_weight_has_them_and_dense_elsewhere():
     plain = torch.randn(48, 64)
     plan = GemmPlan(
         choices={1: "gguf", 8: "torch"},
-        dense_choices={1: "torch", 8: "torch"},
+        fallback_choices={1: "torch", 8: "torch"},
         quantized=QuantizedGemm([(values, weight)]),
     )
     x = torch.randn(1, 64)
@@ -112,8 +112,8 @@ def test_the_plan_runs_blocks_where_a_weight_has_them_and_dense_elsewhere():
     assert torch.equal(plan.gemm(x, plain, None), F.linear(x, plain))  # no blocks: dense
     x8 = torch.randn(8, 64)
     assert torch.equal(plan.gemm(x8, values, None), F.linear(x8, values))  # its bucket: dense
-    with pytest.raises(ValueError, match="dense choice"):
-        GemmPlan(choices={1: "gguf"}, dense_choices={1: "gguf"})
+    with pytest.raises(ValueError, match="a fallback cannot be"):
+        GemmPlan(choices={1: "gguf"}, fallback_choices={1: "gguf"})
 
 
 def test_measuring_times_the_blocks_only_when_every_weight_has_them():
@@ -122,6 +122,6 @@ def test_measuring_times_the_blocks_only_when_every_weight_has_them():
     weights = [values for _, values in pairs]
     plan = GemmPlan.measure(weights, buckets=(1, 64), quantized=with_blocks)
     assert all("gguf" in t for t in plan.timings_ms.values())
-    assert all(plan.dense_choices[b] != "gguf" for b in (1, 64))
+    assert all(plan.fallback_choices[b] != "gguf" for b in (1, 64))
     dense = GemmPlan.measure([*weights, torch.randn(64, 64)], buckets=(1,), quantized=with_blocks)
     assert "gguf" not in dense.timings_ms[1]

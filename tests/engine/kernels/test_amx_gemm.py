@@ -1,0 +1,119 @@
+"""The AMX bf16 GEMM (engine.kernels.amx_gemm) against fp32 torch, against oneDNN's bits,
+and as a GemmPlan backend with its fallback."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_gemm import GemmPlan
+from engine.kernels.amx_gemm import AmxGemm, amx_available
+
+needs_amx = pytest.mark.skipif(
+    not amx_available(), reason="this CPU (or its C build) has no AMX-BF16 tiles"
+)
+
+
+def _case(rows: int, out_features: int, in_features: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    return x, w, b
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64), (16, 32)])
+def test_amx_gemm_matches_fp32_torch(rows, shape):
+    x, w, b = _case(rows, *shape)
+    amx = AmxGemm()
+    for bias in (None, b):
+        out = amx(x, w, bias)
+        expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, shape[0])
+        # fp32 sums of exact products, rounded once: within bf16's rounding of the result
+        torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-4)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_amx_gemm_gives_onednns_bits_up_to_32_rows(rows):
+    x, w, b = _case(rows, 960, 576, seed=1)
+    amx = AmxGemm()
+    assert torch.equal(amx(x, w, None), F.linear(x, w))
+    assert torch.equal(amx(x, w, b), F.linear(x, w, b))
+
+
+@needs_amx
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    x, w, _ = _case(40, 576, 1536, seed=2)
+    amx = AmxGemm()
+    together = amx(x, w, None)
+    for row in (0, 15, 16, 39):
+        assert torch.equal(amx(x[row : row + 1], w, None), together[row : row + 1])
+
+
+@needs_amx
+def test_amx_gemm_reads_strided_rows_and_empty_batches():
+    wide = torch.randn(8, 1200).bfloat16()
+    x = wide[:, :576]  # rows 1200 apart
+    w = torch.randn(960, 576).bfloat16()
+    amx = AmxGemm()
+    assert torch.equal(amx(x, w, None), amx(x.contiguous(), w, None))
+    assert amx(torch.empty(0, 576, dtype=torch.bfloat16), w, None).shape == (0, 960)
+
+
+def test_what_amx_does_not_take_is_declined():
+    amx = AmxGemm()
+    w = torch.randn(960, 576).bfloat16()
+    assert amx(torch.randn(2, 576), w, None) is None  # fp32 input
+    assert amx(torch.randn(2, 576).bfloat16(), w.float(), None) is None  # fp32 weight
+    assert amx(torch.randn(2, 560).bfloat16(), torch.randn(16, 560).bfloat16(), None) is None
+    assert amx(torch.randn(2, 64).bfloat16(), torch.randn(24, 64).bfloat16(), None) is None
+    assert amx(torch.randn(2, 576).bfloat16(), w, torch.randn(960)) is None  # fp32 bias
+    if amx_available():
+        with pytest.raises(ValueError, match="576 features"):
+            amx(torch.randn(2, 576).bfloat16(), torch.randn(16, 64).bfloat16(), None)
+
+
+@needs_amx
+def test_amx_packings_follow_their_weights():
+    amx = AmxGemm()
+    x = torch.randn(2, 64).bfloat16()
+    for _ in range(3):  # a new weight may reuse the freed one's memory
+        w = torch.randn(32, 64).bfloat16()
+        assert torch.equal(amx(x, w, None), F.linear(x, w))
+    del w
+    gc.collect()
+    assert len(amx._packed) == 0
+
+
+def test_a_plan_on_amx_runs_the_weights_it_declines_on_its_fallback():
+    plan = GemmPlan(choices={1: "amx", 8: "torch"}, fallback_choices={1: "torch", 8: "torch"})
+    odd = torch.randn(24, 64).bfloat16()  # 24 outputs: not whole tiles
+    x = torch.randn(1, 64).bfloat16()
+    assert torch.equal(plan.gemm(x, odd, None), F.linear(x, odd))
+    assert torch.equal(plan.gemm(x.float(), odd.float(), None), F.linear(x.float(), odd.float()))
+    with pytest.raises(ValueError, match="a fallback cannot be"):
+        GemmPlan(choices={1: "amx"}, fallback_choices={1: "amx"})
+    unused = GemmPlan(choices={1: "torch"})
+    unused.amx.pack(torch.randn(32, 64).bfloat16())
+    unused.prepare([])
+    assert len(unused.amx._packed) == 0  # a measurement's packings go when unused
+
+
+@needs_amx
+def test_measuring_bf16_weights_times_amx_and_packs_what_it_chooses():
+    weights = [torch.randn(96, 64).bfloat16(), torch.randn(64, 96).bfloat16()] * 2
+    plan = GemmPlan.measure(weights, buckets=(1, 32))
+    assert all("amx" in t for t in plan.timings_ms.values())
+    assert all(plan.fallback_choices[b] != "amx" for b in (1, 32))
+    plan.prepare(weights)
+    if "amx" in plan.choices.values():
+        assert len(plan.amx._packed) == 2
+    fp32 = GemmPlan.measure([w.float() for w in weights], buckets=(1,))
+    assert "amx" not in fp32.timings_ms[1]
