@@ -149,6 +149,10 @@ class GemmPlan:
     packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
     amx: AmxGemm = field(default_factory=AmxGemm, repr=False)
     quantized: QuantizedGemm = field(default_factory=QuantizedGemm, repr=False)
+    # rows → (backend, fallback), filled as row counts come; cleared when packings change
+    _routes: dict[int, tuple[Callable, Callable]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         named = {*self.choices.values(), *self.fallback_choices.values()}
@@ -166,6 +170,7 @@ class GemmPlan:
         used = {*self.choices.values(), *self.fallback_choices.values()}
         self.packed = self.packed if "onednn-packed" in used else PackedOneDNN()
         self.amx = self.amx if "amx" in used else AmxGemm()
+        self._routes.clear()  # they may name the packings dropped here
         for weight in weights:
             if "onednn-packed" in used:
                 self.packed.pack(weight)
@@ -190,14 +195,20 @@ class GemmPlan:
     ) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` through the plan's backend for x's row count."""
         rows = x.shape[0]
+        route = self._routes.get(rows)
+        if route is None:  # once per row count: a decode step makes ~120 of these calls
+            route = self._routes[rows] = self._route(rows)
+        first, fallback = route
+        out = first(x, weight, bias)
+        return out if out is not None else fallback(x, weight, bias)
+
+    def _route(self, rows: int) -> tuple[Callable, Callable]:
+        """The backend for ``rows``, and the one for the weights it declines."""
         name = self.choice_for(rows)
-        if name in PARTIAL_BACKENDS:
-            partial = self.quantized if name == "gguf" else self.amx
-            out = partial(x, weight, bias)
-            if out is not None:
-                return out
-            name = self.choice_for(rows, fallback=True)
-        return self.backend(name)(x, weight, bias)
+        if name not in PARTIAL_BACKENDS:
+            return self.backend(name), self.backend(name)
+        partial = self.quantized if name == "gguf" else self.amx
+        return partial, self.backend(self.choice_for(rows, fallback=True))
 
     def linear(
         self,

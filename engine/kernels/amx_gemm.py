@@ -6,6 +6,8 @@ wins (engine.cpu_gemm); where it does not apply it returns None and the plan's f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -21,6 +23,14 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.amx_gemm_available())
 
 
+@dataclass(frozen=True)
+class _Packed:
+    tensor: torch.Tensor  # the weight in the tiles' layout, flat
+    address: int  # its data pointer (asked once: each call reads it)
+    out_features: int
+    in_features: int
+
+
 class AmxGemm:
     """``x @ W.T (+ bias)`` for bf16 x and W on AMX tiles.
 
@@ -29,10 +39,11 @@ class AmxGemm:
     freed weight's packing is never reused. One more copy of every weight it runs.
 
     ``__call__`` returns None for what it does not take: no AMX here, a dtype other than
-    bf16, a weight whose out / in features are not multiples of 16 / 32, a strided row."""
+    bf16, a weight whose out / in features are not multiples of 16 / 32, a strided row.
+    A decode step makes ~120 of these calls, so the per-call Python is kept short."""
 
     def __init__(self) -> None:
-        self._packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight → _Packed | None
 
     @staticmethod
     def accepts(weight: torch.Tensor) -> bool:
@@ -45,42 +56,44 @@ class AmxGemm:
             and amx_available()
         )
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack(self, weight: torch.Tensor) -> _Packed | None:
         """The weight in the tiles' layout (None if it is not one ``accepts`` takes)."""
-        packed = self._packed.get(weight)
-        if packed is None:
-            if not self.accepts(weight):
-                return None
+        try:
+            return self._packed[weight]
+        except KeyError:
+            pass
+        packed = None
+        if self.accepts(weight):
             out_features, in_features = weight.shape
-            packed = torch.empty(out_features * in_features, dtype=torch.bfloat16)
+            tensor = torch.empty(out_features * in_features, dtype=torch.bfloat16)
             cpu_native.library().amx_pack_weight(
-                weight.contiguous().data_ptr(), out_features, in_features, packed.data_ptr(),
+                weight.contiguous().data_ptr(), out_features, in_features, tensor.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
-            self._packed[weight] = packed
+            packed = _Packed(tensor, tensor.data_ptr(), out_features, in_features)
+        self._packed[weight] = packed
         return packed
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
+        packed = self.pack(weight)
         if (
-            x.dim() != 2
+            packed is None
             or x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
+            or x.dim() != 2
             or x.stride(1) != 1
+            or not x.is_cpu
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
         ):
             return None
-        if x.shape[1] != weight.shape[1]:
-            raise ValueError(f"x has {x.shape[1]} features, the weight takes {weight.shape[1]}")
-        packed = self.pack(weight)
-        if packed is None:
-            return None
-        rows, out_features = x.shape[0], weight.shape[0]
-        out = torch.empty((rows, out_features), dtype=torch.bfloat16)
+        rows, in_features = x.shape
+        if in_features != packed.in_features:
+            raise ValueError(f"x has {in_features} features, the weight takes {packed.in_features}")
+        out = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
         status = cpu_native.library().amx_linear_bf16(
-            x.data_ptr(), max(x.stride(0), x.shape[1]), rows, packed.data_ptr(), out_features,
-            weight.shape[1], bias.data_ptr() if bias is not None else None, out.data_ptr(),
+            x.data_ptr(), max(x.stride(0), in_features), rows, packed.address, packed.out_features,
+            in_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status:
