@@ -11,6 +11,10 @@
 // fp32 throughout -- scores, softmax, the weighted sum of V -- with one rounding at the end
 // (torch's CPU flash kernel rounds the probabilities to bf16 for a bf16 cache; this is
 // closer to exact). The G = Hq / Hkv query heads of a KV head share each K/V row read.
+// With bf16 queries and cache on a CPU with AVX-512 BF16, q.k runs on the cached rows as
+// they are, in the CPU's bf16 dot-product instruction (exact products, summed in fp32),
+// 1.2-1.3x the fp32 copy's speed. Blocks lie anywhere in the cache, where the hardware's
+// prefetchers cannot follow: the next block is asked for while one computes (~1.2x).
 
 #include <stdlib.h>
 
@@ -130,6 +134,67 @@ static inline void weighted_rows(const float *restrict p, const float *restrict 
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define BF16_SCORES 1
+
+// s[t] = the sum of v[t]'s 16 lanes, for 16 vectors at once: 45 shuffles and adds where
+// one horizontal sum each takes 8. The halving steps leave token 4j + k in lane 4k + j;
+// the last permute puts each in its place.
+static inline __m512 sum16_each(const __m512 v[16]) {
+    __m512 c[8], e[4], h[2];
+    for (int j = 0; j < 8; j++)  // 128-bit lanes 0-1: v[2j]'s halves summed, 2-3: v[2j+1]'s
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 4; m++)  // lane k: v[4m + k]'s four partial sums
+        e[m] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int n = 0; n < 2; n++)  // lane k: two of v[8n + k]'s, two of v[8n + 4 + k]'s
+        h[n] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * n], e[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * n], e[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(h[0], h[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(h[0], h[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, sums);
+}
+
+// Scores of query heads [g0, g0 + G) (bf16 rows D apart from q) against one block's `rows`
+// (<= 16) bf16 key rows of one KV head (`stride` elements apart), times `scale`, into
+// out + g * out_stride: q.k in the CPU's bf16 dot-product instruction (exact products,
+// summed in fp32 in pairs), 32 dims a step. D is a multiple of 32.
+static void block_scores_bf16(const uint16_t *restrict q, int64_t G, const uint16_t *restrict k,
+                              int64_t stride, int64_t rows, int64_t D, float scale,
+                              float *restrict out, int64_t out_stride) {
+    const __mmask16 valid = (__mmask16)((1u << rows) - 1);
+    for (int64_t g = 0; g < G; g++) {
+        const uint16_t *qg = q + g * D;
+        __m512 part[16];
+        for (int64_t r = 0; r < 16; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            if (r < rows)
+                for (int64_t d = 0; d < D; d += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d),
+                                           (__m512bh)_mm512_loadu_si512(k + r * stride + d));
+            part[r] = acc;
+        }
+        const __m512 scores = _mm512_mul_ps(sum16_each(part), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(out + g * out_stride, valid, scores);
+    }
+}
+#endif
+
+// Ask for the cache lines of `rows` rows (`row` elements apart from element `start`), the
+// `cols` elements from `offset` of each: the next block, read while this one computes. Its
+// blocks lie anywhere in the cache, so the hardware's prefetchers cannot guess them.
+static inline void prefetch_rows(const void *cache, int dtype, int64_t start, int64_t rows,
+                                 int64_t row, int64_t offset, int64_t cols) {
+    const size_t size = element_size(dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *first = (const char *)cache + (start + r * row + offset) * size;
+        for (size_t byte = 0; byte < cols * size; byte += 64) __builtin_prefetch(first + byte);
+    }
+}
+
 static void store_row(const float *restrict x, int dtype, int64_t D, void *dst) {
     if (dtype == 0) {
         float *o = dst;
@@ -235,9 +300,29 @@ static void attend(const Problem *p, int64_t b, int64_t h0, int64_t heads, float
     }
     rows_to_float((const char *)p->q + (b * p->q_stride + h0 * G * D) * q_size, p->q_dtype, Q,
                   D, D, D, 1.0f, qf);  // [Q, D]
+#ifdef BF16_SCORES
+    // bf16 keys and queries: the products straight from the cache's bf16, no fp32 copy
+    if (p->cache_dtype == 2 && p->q_dtype == 2 && D % 32 == 0 && bs <= 16) {
+        const uint16_t *qb = (const uint16_t *)p->q + b * p->q_stride + h0 * G * D;
+        const int64_t row = p->Hkv * D;
+        for (int64_t i = 0; i < blocks; i++) {
+            const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
+            const uint16_t *kb = (const uint16_t *)p->k_cache + table[i] * bs * row;
+            if (i + 1 < blocks)
+                prefetch_rows(p->k_cache, p->cache_dtype, table[i + 1] * bs * row, bs, row, h0 * D,
+                              heads * D);
+            for (int64_t hh = 0; hh < heads; hh++)
+                block_scores_bf16(qb + hh * G * D, G, kb + (h0 + hh) * D, row, rows, D,
+                                  p->softmax_scale, scores + hh * G * max_ctx + first, max_ctx);
+        }
+    } else
+#endif
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
         int64_t stride;
+        if (i + 1 < blocks)
+            prefetch_rows(p->k_cache, p->cache_dtype, table[i + 1] * bs * p->Hkv * D, bs,
+                          p->Hkv * D, h0 * D, heads * D);
         const float *k = block_rows(p, p->k_cache, p->k_scale, table[i], h0, heads, rows,
                                     buffer, &stride);
         for (int64_t g = 0; g < Q; g++) {
@@ -254,6 +339,9 @@ static void attend(const Problem *p, int64_t b, int64_t h0, int64_t heads, float
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
         int64_t stride;
+        if (i + 1 < blocks)
+            prefetch_rows(p->v_cache, p->cache_dtype, table[i + 1] * bs * p->Hkv * D, bs,
+                          p->Hkv * D, h0 * D, heads * D);
         const float *v = block_rows(p, p->v_cache, p->v_scale, table[i], h0, heads, rows,
                                     buffer, &stride);
         for (int64_t g = 0; g < Q; g++)

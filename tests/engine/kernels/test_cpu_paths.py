@@ -31,6 +31,9 @@ DECODE_CASES = [
     (torch.float32, 8, 2, 64, [16, 32], False, 1e-5),  # whole pages: no mask
     (torch.float32, 4, 1, 128, [5, 200, 33], False, 1e-5),
     (torch.bfloat16, 4, 2, 64, [5, 70], False, 2e-2),
+    # bf16 dot products on the cached rows: whole and partial blocks, whole-sequence items
+    (torch.bfloat16, 9, 3, 64, [1, 16, 17, 100, 33, 5], False, 2e-2),
+    (torch.bfloat16, 8, 2, 128, [40, 9], False, 2e-2),
     (torch.float32, 8, 2, 64, [33, 150], True, 1e-5),
 ]
 
