@@ -117,3 +117,21 @@ def test_measuring_bf16_weights_times_amx_and_packs_what_it_chooses():
         assert len(plan.amx._packed) == 2
     fp32 = GemmPlan.measure([w.float() for w in weights], buckets=(1,))
     assert "amx" not in fp32.timings_ms[1]
+
+
+@needs_amx
+def test_amx_and_onednn_calls_interleave_in_the_same_threads():
+    """oneDNN runs its own AMX kernels (prefill's row counts) on the same OpenMP threads;
+    each call sets up its tiles, so neither disturbs the other."""
+    from engine.cpu_gemm import PackedOneDNN
+
+    amx, onednn = AmxGemm(), PackedOneDNN()
+    weights = [_case(1, 960, 576, seed=s)[1] for s in range(2)] + [_case(1, 576, 1536)[1]]
+    small = {k: torch.randn(7, k).bfloat16() for k in (576, 1536)}
+    large = {k: torch.randn(300, k).bfloat16() for k in (576, 1536)}
+    expected_small = [F.linear(small[w.shape[1]], w) for w in weights]
+    expected_large = [onednn(large[w.shape[1]], w, None).clone() for w in weights]
+    for _ in range(5):
+        for w, want_small, want_large in zip(weights, expected_small, expected_large, strict=True):
+            assert torch.equal(amx(small[w.shape[1]], w, None), want_small)
+            assert torch.equal(onednn(large[w.shape[1]], w, None), want_large)
