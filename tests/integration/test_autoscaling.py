@@ -125,7 +125,7 @@ def test_decode_heavy_step_grows_decode(ray_session):
         responses = asyncio.run(
             load(
                 running.urls["http"],
-                rate=12,
+                rate=20,  # ~4,000 tok/s of decode: well past one tiny replica's capacity here
                 duration_s=6,
                 prompt_len=8,
                 max_tokens=200,
