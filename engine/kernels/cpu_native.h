@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
+// For helpers the compiler would call where their loop should be part of the caller's.
+#define INLINE static inline __attribute__((always_inline))
+
 static inline uint32_t bits_of(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -38,7 +38,6 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
     else ((uint16_t *)p)[i] = float_to_bf16(x);
 }
 
-#define INLINE static inline __attribute__((always_inline))
 
 // Where the CPU has AVX-512 BF16, the bf16 loops below run 16 lanes at a time in
 // intrinsics: the scalar loops' operations in their order (no fused multiply-adds) and

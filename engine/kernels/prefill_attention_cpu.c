@@ -30,7 +30,6 @@ int prefill_attention_bf16_available(void) {
 
 #define KEYS 64  // keys per tile: four 16-lane registers of scores per query row
 #define ROWS 6   // query rows per block: 6 x 4 score registers, the rest for the keys
-#define INLINE static inline __attribute__((always_inline))
 
 // e^x on 16 lanes for x <= 0 (or -inf): Cody-Waite reduction, Cephes' polynomial, and
 // scalef for the 2^n (so -inf gives 0).
