@@ -29,6 +29,7 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.host_memory import keep_freed_host_memory
 from engine.kernels import cpu_native
 from engine.kernels.cpu_attention import choose_prefill_kernel
+from engine.kernels.decode_layers_cpu import NativeDecodeLayers
 from engine.kv_cache import PagedKVCache
 from engine.load import EngineLoad
 from engine.model import LlamaModel
@@ -118,6 +119,7 @@ def load_shard(
         plan.prepare(model.gemm_weights())
     model.use_linear(plan.linear)
     cpu_native.library()  # built now (seconds, once per machine), not in the first request
+    model.use_native_decode(NativeDecodeLayers.build(model, plan))
     if model.norm_weight.dtype == torch.bfloat16:
         c = model.config
         choose_prefill_kernel(c.num_heads, c.num_kv_heads, c.head_dim)

@@ -8,6 +8,7 @@ through a kernel dispatcher: Triton on CUDA, the plain-torch reference on CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from engine.kernels.rmsnorm import rmsnorm
 from engine.kv_cache import LayerKV, PagedKVCache
 from engine.rope import RotaryEmbedding, apply_rotary
 from engine.tp_group import TPGroup
+
+if TYPE_CHECKING:
+    from engine.kernels.decode_layers_cpu import NativeDecodeLayers
 
 # x [T, in], weight [out, in], bias, activation → [T, out] (or [T, out / 2] for silu_mul)
 Linear = Callable[..., torch.Tensor]
@@ -146,6 +150,12 @@ class LlamaModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.linear: Linear = fused_linear
+        self.native_decode: NativeDecodeLayers | None = None
+
+    def use_native_decode(self, native_decode: NativeDecodeLayers | None) -> None:
+        """Run the layers of the decode steps ``native_decode`` applies to as one C call
+        each (engine.kernels.decode_layers_cpu); None: always op by op."""
+        self.native_decode = native_decode
 
     def use_linear(self, linear: Linear) -> None:
         """Run every GEMM through ``linear`` (same signature as ``fused_linear``), e.g. a
@@ -183,6 +193,11 @@ class LlamaModel(nn.Module):
         ships that layer while later layers compute)."""
         hidden = nn.functional.embedding(input_ids, self.embed_weight)
         rope = self.rotary.tables(positions, hidden.dtype)
+        native = self.native_decode
+        if native is not None and native.applies(hidden, meta, cache):
+            hidden, residual = native(hidden, rope, meta, cache, layer_done)
+            hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
+            return hidden
         residual = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, rope, meta, cache, index)

@@ -114,3 +114,26 @@ static inline float exp_reduced(float clamped, int32_t *n) {
     *n = (int32_t)(bits_of(shifted) - bits_of(shifter));
     return p * (f * f) + f + 1.0f;
 }
+
+// Entry points that decode_layer_cpu.c chains (defined in the files named; each takes
+// torch's intra-op thread count as `threads`).
+// gemm_amx.c
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                    int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads);
+// fused_cpu.c
+void rope_and_store(const void *qk, int64_t qk_stride, const void *v, int64_t v_stride,
+                    const void *cos, const void *sin, int64_t T, int64_t Hq, int64_t Hkv,
+                    int64_t D, int dtype, void *q_out, void *k_out, void *k_cache,
+                    void *v_cache, const int64_t *slots, int threads);
+void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
+                  const void *weight, int64_t T, int64_t H, float eps, int dtype, void *out,
+                  void *new_residual, int threads);
+void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, int dtype,
+                   void *out, int threads);
+// attention_cpu.c
+int paged_decode_attention(const void *q, int q_dtype, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int cache_dtype, const float *k_scale,
+                           const float *v_scale, const int32_t *tables, int64_t table_width,
+                           const int32_t *context_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                           int64_t D, int64_t block_size, float softmax_scale, void *out,
+                           int threads);

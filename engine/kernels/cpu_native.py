@@ -1,7 +1,7 @@
 """C kernels for the CPU, built on first use with the machine's C compiler and loaded with
 ctypes: what torch has no fused op for and runs slowly as many small ops (the FP8 KV codec,
 paged decode and bf16 prefill attention, RoPE with the KV store, RMSNorm, SiLU-and-mul,
-GEMMs on GGUF-quantised weights, bf16 GEMMs on AMX tiles).
+GEMMs on GGUF-quantised weights, bf16 GEMMs on AMX tiles, a bf16 decode layer in one call).
 
 An engine builds it while it loads (``load_shard``); other callers on first use. It is
 compiled once per machine (``-march=native``: it runs where it was built)
@@ -40,6 +40,7 @@ SOURCES = tuple(
         "fused_cpu.c",
         "quantized_cpu.c",
         "gemm_amx.c",
+        "decode_layer_cpu.c",
     )
 )
 HEADERS = (_HERE / "cpu_native.h",)
@@ -133,4 +134,6 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.amx_pack_weight.restype = None
     lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
     lib.amx_linear_bf16.restype = i32
+    lib.decode_layer_bf16.argtypes = [ptr, ptr, i32]
+    lib.decode_layer_bf16.restype = i32
     return lib
