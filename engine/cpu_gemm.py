@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine.kernels import cpu_native
 from engine.kernels.amx_gemm import AmxGemm
 from engine.kernels.fused_cpu import silu_mul_native
 from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
@@ -332,12 +333,13 @@ def cached_measurement(
 
 
 def _plan_key(weights: Sequence[torch.Tensor], quantized: QuantizedGemm) -> str:
-    """What a plan depends on: the CPU, torch, the thread count, the weights' shapes and
-    block types."""
+    """What a plan depends on: the CPU, torch, our C kernels, the thread count, the
+    weights' shapes and block types."""
     parts = [
         platform.machine(),
         cpu_signature(),  # its instruction sets too
         torch.__version__,
+        f"kernels {cpu_native.source_digest()}",
         f"format {PLAN_FORMAT}",
         str(torch.get_num_threads()),
         str(weights[0].dtype),

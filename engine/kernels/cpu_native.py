@@ -70,12 +70,21 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+@cache
+def source_digest() -> str:
+    """A hash of the kernels' C source: part of the keys of what was built or measured
+    with them (the library here, the GEMM plans in engine.cpu_gemm)."""
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
 def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     # Here, not at the top: cpu_gemm runs its SiLU through these kernels.
     from engine.cpu_gemm import cpu_signature, plan_cache_dir
 
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(source + cpu_signature().encode() + " ".join((*FLAGS, OPENMP)).encode())
+    key = hashlib.sha256(
+        source_digest().encode() + cpu_signature().encode() + " ".join((*FLAGS, OPENMP)).encode()
+    )
     directory = plan_cache_dir().parent / "native"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -1,7 +1,8 @@
-// y = x @ W.T in bf16 on AMX tiles, for CPUs with AMX-BF16 (Sapphire Rapids and later):
-// what a decode step's GEMMs are, a few rows against weights read once per step. oneDNN
-// reads those weights at ~17 GB/s here (its per-call setup and blocking are made for larger
-// row counts); this kernel streams them at ~29 GB/s, the machine's read bandwidth.
+// y = x @ W.T in bf16 on AMX tiles, for CPUs with AMX-BF16 (Sapphire Rapids and later).
+// Up to 16 rows (a decode step's GEMMs: a few rows against weights read once per step) it
+// streams the weights at ~29 GB/s, the machine's read bandwidth, where oneDNN reads them at
+// ~17 (its per-call setup and blocking are made for larger row counts). From 17 rows (a
+// short prompt) it reuses tiles both ways, ~1.2x oneDNN's packed GEMM at 32-256 rows here.
 //
 // The weight is packed once into the tile layout the AMX dot product takes as its B operand
 // (amx_pack_weight): for each block of 16 output columns and 32 inputs, 16 rows of input
@@ -25,7 +26,7 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-// Output column blocks (of 16) per pass: 1 A tile + 3 B tiles + 3 C tiles of the 8.
+// few_rows' output column blocks (of 16) per pass: 1 A tile + 3 B tiles + 3 C tiles of 8.
 #define COLUMN_BLOCKS 3
 
 typedef struct {
@@ -36,20 +37,28 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-// Tiles: 0 = x's rows (A), 1-3 = weight blocks (B), 4-6 = sums (C) of `rows` rows.
-static void configure_tiles(int rows) {
+static void load_config(const uint8_t rows[8]) {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    config.rows[0] = (uint8_t)rows;
-    config.colsb[0] = 64;
-    for (int t = 1; t <= COLUMN_BLOCKS; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-        config.rows[t + COLUMN_BLOCKS] = (uint8_t)rows;
-        config.colsb[t + COLUMN_BLOCKS] = 64;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = rows[t];
+        config.colsb[t] = rows[t] ? 64 : 0;  // 0 rows: a tile left unconfigured (unused)
     }
     _tile_loadconfig(&config);
+}
+
+// few_rows' tiles: 0 = x's `rows` rows (A), 1-3 = weight blocks (B), 4-6 = sums (C).
+static void configure_few(int rows) {
+    const uint8_t r = (uint8_t)rows;
+    load_config((const uint8_t[8]){r, 16, 16, 16, r, r, r, 0});
+}
+
+// many_rows' tiles: 0-1 = two row tiles of x (A; `rows1` may be 0: none), 2-3 = weight
+// blocks (B), 4-5 = row tile 0's sums (C), 6-7 = row tile 1's.
+static void configure_many(int rows0, int rows1) {
+    const uint8_t r0 = (uint8_t)rows0, r1 = (uint8_t)rows1;
+    load_config((const uint8_t[8]){r0, r1, 16, 16, r0, r0, r1, r1});
 }
 
 // Linux hands out the tile registers' state only to a process that asks (once per process).
@@ -76,75 +85,163 @@ void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, 
         }
 }
 
-// y [m, n] (row stride n) = x [m, k] (row stride x_stride elements) @ W.T (+ bias [n]),
-// all bf16; W as amx_pack_weight packed it. Returns 0, or -1 for shapes it does not take.
-int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
-                    int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
-    if (!amx_gemm_available() || n % 16 || k % 32 || m < 0 || x_stride < k) return -1;
+// Sums of a block of 16 columns for `rows` rows (a C tile stored as fp32 [16][16]) plus
+// bias, rounded to bf16 into y's rows (row stride n) at column `col`.
+static void store_sums(const float sums[16][16], int rows, const uint16_t *bias, int64_t col,
+                       uint16_t *y, int64_t n) {
+    const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i *)(bias + col))),
+                                  16))
+                            : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r]), add);
+        _mm256_storeu_si256((__m256i *)(y + r * n + col), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
+// Up to 16 rows (a decode step): every weight byte is read once, so the loop streams the
+// weight: one A tile of x against 3 column blocks at a time.
+static void few_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                     int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
     const int64_t k_blocks = k / 32;
     const int64_t n_blocks = n / 16;
     const int64_t groups = (n_blocks + COLUMN_BLOCKS - 1) / COLUMN_BLOCKS;
+    const int rows = (int)m;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
     {
         float sums[COLUMN_BLOCKS][16][16] __attribute__((aligned(64)));
-        int configured = -1;
+        configure_few(rows);
 #pragma omp for schedule(static)
         for (int64_t group = 0; group < groups; group++) {
             const int64_t nb0 = group * COLUMN_BLOCKS;
             const int blocks = (int)(n_blocks - nb0 < COLUMN_BLOCKS ? n_blocks - nb0 : COLUMN_BLOCKS);
             const uint16_t *w0 = packed + nb0 * k_blocks * 512;
-            for (int64_t m0 = 0; m0 < m; m0 += 16) {
-                const int rows = (int)(m - m0 < 16 ? m - m0 : 16);
-                if (rows != configured) {
-                    configure_tiles(rows);
-                    configured = rows;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            if (blocks == 3) {
+                for (int64_t kb = 0; kb < k_blocks; kb++) {
+                    _tile_loadd(0, x + kb * 32, x_stride * 2);
+                    _tile_loadd(1, w0 + kb * 512, 64);
+                    _tile_loadd(2, w0 + (k_blocks + kb) * 512, 64);
+                    _tile_loadd(3, w0 + (2 * k_blocks + kb) * 512, 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    _tile_dpbf16ps(5, 0, 2);
+                    _tile_dpbf16ps(6, 0, 3);
                 }
-                const uint16_t *xa = x + m0 * x_stride;
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                if (blocks == 3) {
-                    for (int64_t kb = 0; kb < k_blocks; kb++) {
-                        _tile_loadd(0, xa + kb * 32, x_stride * 2);
-                        _tile_loadd(1, w0 + kb * 512, 64);
+            } else {  // the last one or two column blocks
+                for (int64_t kb = 0; kb < k_blocks; kb++) {
+                    _tile_loadd(0, x + kb * 32, x_stride * 2);
+                    _tile_loadd(1, w0 + kb * 512, 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (blocks == 2) {
                         _tile_loadd(2, w0 + (k_blocks + kb) * 512, 64);
-                        _tile_loadd(3, w0 + (2 * k_blocks + kb) * 512, 64);
-                        _tile_dpbf16ps(4, 0, 1);
                         _tile_dpbf16ps(5, 0, 2);
-                        _tile_dpbf16ps(6, 0, 3);
-                    }
-                } else {  // the last one or two column blocks
-                    for (int64_t kb = 0; kb < k_blocks; kb++) {
-                        _tile_loadd(0, xa + kb * 32, x_stride * 2);
-                        _tile_loadd(1, w0 + kb * 512, 64);
-                        _tile_dpbf16ps(4, 0, 1);
-                        if (blocks == 2) {
-                            _tile_loadd(2, w0 + (k_blocks + kb) * 512, 64);
-                            _tile_dpbf16ps(5, 0, 2);
-                        }
-                    }
-                }
-                _tile_stored(4, sums[0], 64);
-                if (blocks > 1) _tile_stored(5, sums[1], 64);
-                if (blocks > 2) _tile_stored(6, sums[2], 64);
-                for (int b = 0; b < blocks; b++) {
-                    const int64_t col = (nb0 + b) * 16;
-                    const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                      (const __m256i *)(bias + col))),
-                                                  16))
-                                            : _mm512_setzero_ps();
-                    for (int r = 0; r < rows; r++) {
-                        const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[b][r]), add);
-                        _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n + col),
-                                            (__m256i)_mm512_cvtneps_pbh(sum));
                     }
                 }
             }
+            _tile_stored(4, sums[0], 64);
+            if (blocks > 1) _tile_stored(5, sums[1], 64);
+            if (blocks > 2) _tile_stored(6, sums[2], 64);
+            for (int b = 0; b < blocks; b++) store_sums(sums[b], rows, bias, (nb0 + b) * 16, y, n);
         }
         _tile_release();  // no tile state kept in the thread between calls
     }
+}
+
+// Row tiles per chunk of x that many_rows keeps in L2 while it passes a thread's columns
+// (256 rows of 1,536 inputs: 768 KiB).
+#define CHUNK_ROWS 256
+
+// More rows (a prompt): each weight tile is used by every row tile, so the loop reuses
+// tiles in both directions: 2 row tiles x 2 column blocks, 4 sums from 4 loads. x is taken
+// CHUNK_ROWS rows at a time (kept in L2 while the thread's column pairs pass); a column
+// pair stays in L1/L2 while the chunk's row tiles pass, and the next pair is asked for from
+// memory meanwhile, a few lines each step.
+static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                      int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
+    const int64_t k_blocks = k / 32;
+    const int64_t n_blocks = n / 16;
+    const int64_t pairs = (n_blocks + 1) / 2;
+    const int64_t pair_lines = 2 * k_blocks * 1024 / 64;
+    const char *packed_end = (const char *)(packed + n_blocks * k_blocks * 512);
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
+    {
+        float sums[4][16][16] __attribute__((aligned(64)));
+        int configured = -1;
+        for (int64_t chunk = 0; chunk < m; chunk += CHUNK_ROWS) {
+            const int64_t chunk_end = m - chunk < CHUNK_ROWS ? m : chunk + CHUNK_ROWS;
+            const int64_t steps = (chunk_end - chunk + 31) / 32 * k_blocks;
+            const int64_t lines_per_step = (pair_lines + steps - 1) / steps;
+#pragma omp for schedule(static) nowait
+            for (int64_t pair = 0; pair < pairs; pair++) {
+                const int64_t nb0 = pair * 2;
+                const int two_columns = nb0 + 1 < n_blocks;
+                const uint16_t *w0 = packed + nb0 * k_blocks * 512, *w1 = w0 + k_blocks * 512;
+                const char *next = (const char *)(w0 + 2 * k_blocks * 512);  // the next pair
+                const char *next_end = next + pair_lines * 64 < packed_end ? next + pair_lines * 64
+                                                                          : packed_end;
+                for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
+                    const int rows0 = (int)(chunk_end - m0 < 16 ? chunk_end - m0 : 16);
+                    const int64_t left = chunk_end - m0 - 16;
+                    const int rows1 = (int)(left <= 0 ? 0 : (left < 16 ? left : 16));
+                    if (rows0 * 32 + rows1 != configured) {  // only a chunk's last tiles differ
+                        configure_many(rows0, rows1);
+                        configured = rows0 * 32 + rows1;
+                    }
+                    const uint16_t *x0 = x + m0 * x_stride, *x1 = x0 + 16 * x_stride;
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    if (rows1) {
+                        _tile_zero(6);
+                        _tile_zero(7);
+                    }
+                    for (int64_t kb = 0; kb < k_blocks; kb++) {
+                        for (int64_t l = 0; l < lines_per_step && next < next_end; l++, next += 64)
+                            _mm_prefetch(next, _MM_HINT_T1);
+                        _tile_loadd(0, x0 + kb * 32, x_stride * 2);
+                        _tile_loadd(2, w0 + kb * 512, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        if (two_columns) {
+                            _tile_loadd(3, w1 + kb * 512, 64);
+                            _tile_dpbf16ps(5, 0, 3);
+                        }
+                        if (rows1) {
+                            _tile_loadd(1, x1 + kb * 32, x_stride * 2);
+                            _tile_dpbf16ps(6, 1, 2);
+                            if (two_columns) _tile_dpbf16ps(7, 1, 3);
+                        }
+                    }
+                    _tile_stored(4, sums[0], 64);
+                    if (two_columns) _tile_stored(5, sums[1], 64);
+                    if (rows1) _tile_stored(6, sums[2], 64);
+                    if (rows1 && two_columns) _tile_stored(7, sums[3], 64);
+                    uint16_t *y0 = y + m0 * n, *y1 = y0 + 16 * n;
+                    store_sums(sums[0], rows0, bias, nb0 * 16, y0, n);
+                    if (two_columns) store_sums(sums[1], rows0, bias, (nb0 + 1) * 16, y0, n);
+                    if (rows1) store_sums(sums[2], rows1, bias, nb0 * 16, y1, n);
+                    if (rows1 && two_columns)
+                        store_sums(sums[3], rows1, bias, (nb0 + 1) * 16, y1, n);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+// y [m, n] (row stride n) = x [m, k] (row stride x_stride elements) @ W.T (+ bias [n]),
+// all bf16; W as amx_pack_weight packed it. Returns 0, or -1 for shapes it does not take.
+// Both loops give each output the same sums in the same order: which one runs does not
+// change a bit.
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                    int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
+    if (!amx_gemm_available() || n % 16 || k % 32 || m < 0 || x_stride < k) return -1;
+    if (m == 0) return 0;
+    if (m <= 16) few_rows(x, x_stride, m, packed, n, k, bias, y, threads);
+    else many_rows(x, x_stride, m, packed, n, k, bias, y, threads);
     return 0;
 }
 

@@ -26,7 +26,9 @@ def _case(rows: int, out_features: int, in_features: int, seed: int = 0):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 100])
+# 1-16 rows: one row tile against 3 column blocks at a time; more: 2 row tiles x 2 column
+# blocks, x in chunks of 256 rows (a last tile of 1-15 rows, a lone last row tile or block).
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 100, 256, 273, 290])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64), (16, 32)])
 def test_amx_gemm_matches_fp32_torch(rows, shape):
     x, w, b = _case(rows, *shape)
@@ -50,11 +52,12 @@ def test_amx_gemm_gives_onednns_bits_up_to_32_rows(rows):
 
 @needs_amx
 def test_a_rows_result_does_not_depend_on_the_other_rows():
-    x, w, _ = _case(40, 576, 1536, seed=2)
+    x, w, _ = _case(300, 576, 1536, seed=2)
     amx = AmxGemm()
     together = amx(x, w, None)
-    for row in (0, 15, 16, 39):
+    for row in (0, 15, 16, 39, 255, 256, 299):  # few-row and many-row loops, both chunks
         assert torch.equal(amx(x[row : row + 1], w, None), together[row : row + 1])
+        assert torch.equal(amx(x[row : row + 20], w, None), together[row : row + 20])
 
 
 @needs_amx
