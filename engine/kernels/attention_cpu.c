@@ -13,7 +13,8 @@
 // closer to exact). The G = Hq / Hkv query heads of a KV head share each K/V row read.
 // With bf16 queries and cache on a CPU with AVX-512 BF16, q.k runs on the cached rows as
 // they are, in the CPU's bf16 dot-product instruction (exact products, summed in fp32),
-// 1.2-1.3x the fp32 copy's speed. Blocks lie anywhere in the cache, where the hardware's
+// 1.2-1.3x the fp32 copy's speed; a bf16 cache's values are read in place too, each row
+// converted once for the G query heads of its KV head (the fp32 copy's sums, ~1.1x). Blocks lie anywhere in the cache, where the hardware's
 // prefetchers cannot follow: the next block is asked for while one computes (~1.2x).
 
 #include <stdlib.h>
@@ -179,6 +180,55 @@ static void block_scores_bf16(const uint16_t *restrict q, int64_t G, const uint1
         }
         const __m512 scores = _mm512_mul_ps(sum16_each(part), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(out + g * out_stride, valid, scores);
+    }
+}
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// weighted_rows for the G query heads of one KV head at once, on n bf16 value rows read in
+// place (`stride` elements apart): each row is converted once for all G heads, where G
+// calls of weighted_rows would read an fp32 copy G times. Head g's weights are p + g *
+// p_stride, its sums acc + g * D; each sum adds the same products in the same order as
+// weighted_rows (a multiply, then an add), so the bits are the same. D is a multiple of 64.
+INLINE void weighted_rows_bf16(const int G, const float *restrict p, int64_t p_stride,
+                               const uint16_t *restrict rows, int64_t stride, int64_t n,
+                               int64_t D, float *restrict acc) {
+    for (int64_t d = 0; d < D; d += 64) {
+        __m512 a[4][4];
+        for (int g = 0; g < G; g++)
+            for (int s = 0; s < 4; s++) a[g][s] = _mm512_loadu_ps(acc + g * D + d + 16 * s);
+        for (int64_t r = 0; r < n; r++) {
+            const uint16_t *row = rows + r * stride + d;
+            const __m512 v0 = load16_bf16(row), v1 = load16_bf16(row + 16);
+            const __m512 v2 = load16_bf16(row + 32), v3 = load16_bf16(row + 48);
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(p[g * p_stride + r]);
+                a[g][0] = _mm512_add_ps(a[g][0], _mm512_mul_ps(w, v0));
+                a[g][1] = _mm512_add_ps(a[g][1], _mm512_mul_ps(w, v1));
+                a[g][2] = _mm512_add_ps(a[g][2], _mm512_mul_ps(w, v2));
+                a[g][3] = _mm512_add_ps(a[g][3], _mm512_mul_ps(w, v3));
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int s = 0; s < 4; s++) _mm512_storeu_ps(acc + g * D + d + 16 * s, a[g][s]);
+    }
+}
+
+// One block's values for every KV head of an item, the G query heads of each at once.
+static void block_values_bf16(int64_t G, const float *scores, int64_t max_ctx,
+                              const uint16_t *block, int64_t row, int64_t heads, int64_t rows,
+                              int64_t D, float *acc) {
+    for (int64_t hh = 0; hh < heads; hh++) {
+        const float *p = scores + hh * G * max_ctx;
+        const uint16_t *v = block + hh * D;
+        float *a = acc + hh * G * D;
+        if (G == 1) weighted_rows_bf16(1, p, max_ctx, v, row, rows, D, a);
+        else if (G == 2) weighted_rows_bf16(2, p, max_ctx, v, row, rows, D, a);
+        else if (G == 3) weighted_rows_bf16(3, p, max_ctx, v, row, rows, D, a);
+        else weighted_rows_bf16(4, p, max_ctx, v, row, rows, D, a);
     }
 }
 #endif
@@ -359,11 +409,25 @@ static void attend(const Problem *p, int64_t b, int64_t h0, int64_t heads, float
         key_scores(p, b, h0, heads, qf, buffer, scores);
     float total[Q];
     for (int64_t g = 0; g < Q; g++) total[g] = softmax_numerators(scores + g * max_ctx, ctx);
+#ifdef BF16_SCORES
+    const int values_bf16 = p->cache_dtype == 2 && D % 64 == 0 && G <= 4;
+#else
+    const int values_bf16 = 0;
+#endif
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
         int64_t stride;
         prefetch_next_block(p->v_cache, p->cache_dtype, table, i, blocks, bs, p->Hkv, D, h0,
                             heads);
+#ifdef BF16_SCORES
+        if (values_bf16) {
+            const int64_t row = p->Hkv * D;
+            const uint16_t *block = (const uint16_t *)p->v_cache + table[i] * bs * row + h0 * D;
+            block_values_bf16(G, scores + first, max_ctx, block, row, heads, rows, D, acc);
+            continue;
+        }
+#endif
+        (void)values_bf16;
         const float *v = block_rows(p, p->v_cache, p->v_scale, table[i], h0, heads, rows,
                                     buffer, &stride);
         for (int64_t g = 0; g < Q; g++)

@@ -34,6 +34,9 @@ DECODE_CASES = [
     # bf16 dot products on the cached rows: whole and partial blocks, whole-sequence items
     (torch.bfloat16, 9, 3, 64, [1, 16, 17, 100, 33, 5], False, 2e-2),
     (torch.bfloat16, 8, 2, 128, [40, 9], False, 2e-2),
+    # values from the bf16 rows for 1-4 query heads per KV head; 8 take the fp32 copy
+    (torch.bfloat16, 2, 2, 64, [9, 64], False, 2e-2),
+    (torch.bfloat16, 16, 2, 64, [20, 3], False, 2e-2),
     (torch.float32, 8, 2, 64, [33, 150], True, 1e-5),
 ]
 
