@@ -46,9 +46,12 @@ from engine.kernels.amx_gemm import AmxGemm
 from engine.kernels.fused_cpu import silu_mul_native
 from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Row counts timed; a count routes to the first bucket at or above it, past the last to the
+# last. 2048 stands for long prompts: a backend that wins at 512 may lose badly at 1,676+
+# (the AMX kernel: 2.0 against oneDNN's 2.6 TFLOP/s here), so 512's choice must not reach them.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 T = TypeVar("T")
-PLAN_FORMAT = 3  # part of the cache key: plans measured before "amx" existed are stale
+PLAN_FORMAT = 4  # part of the cache key: plans measured without the 2048 bucket are stale
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
