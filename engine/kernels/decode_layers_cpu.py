@@ -93,7 +93,7 @@ class NativeDecodeLayers:
             fields.gate_up_bias = _address(layer.gate_up_bias)
             fields.down_bias = _address(layer.down_bias)
         self._layer_addresses = [ctypes.addressof(layer) for layer in self._layers]
-        self._cache: PagedKVCache | None = None  # the cache whose pages the layers point at
+        self._cache_key: tuple | None = None  # the cache whose pages the layers point at
         self._step = _Step()
         self._step_address = ctypes.addressof(self._step)
         self._routes: dict[int, bool] = {}  # rows → whether the plan sends them to AMX
@@ -167,17 +167,15 @@ class NativeDecodeLayers:
             raise ValueError(
                 f"block table names block {plan.max_block} of a {num_blocks}-block cache"
             )
-        if cache is not self._cache:
+        cache_key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape)
+        if cache_key != self._cache_key:  # by address, not object: no reference kept
             for index, fields in enumerate(self._layers):
                 fields.k_cache = cache.k[index].data_ptr()
                 fields.v_cache = cache.v[index].data_ptr()
-            self._cache = cache
+            self._cache_key = cache_key
 
-        q_size, kv_size, inter = (
-            c.num_heads * head_dim,
-            num_kv_heads * head_dim,
-            c.intermediate_size,
-        )
+        q_size, kv_size = c.num_heads * head_dim, num_kv_heads * head_dim
+        inter = c.intermediate_size
         sizes = (c.hidden_size, q_size + 2 * kv_size, q_size, kv_size, q_size, 2 * inter, inter)
         scratch = torch.empty(tokens * sum(sizes), dtype=torch.bfloat16)
         residual = torch.empty_like(hidden)
