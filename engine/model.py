@@ -196,13 +196,12 @@ class LlamaModel(nn.Module):
         native = self.native_decode
         if native is not None and native.applies(hidden, meta, cache):
             hidden, residual = native(hidden, rope, meta, cache, layer_done)
-            hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
-            return hidden
-        residual = None
-        for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rope, meta, cache, index)
-            if layer_done is not None:
-                layer_done(index)
+        else:
+            residual = None
+            for index, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, rope, meta, cache, index)
+                if layer_done is not None:
+                    layer_done(index)
         hidden, _ = rmsnorm(hidden, self.norm_weight, self.config.rms_norm_eps, residual)
         return hidden  # [T, H]
 

@@ -183,11 +183,6 @@ static void block_scores_bf16(const uint16_t *restrict q, int64_t G, const uint1
     }
 }
 
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // weighted_rows for the G query heads of one KV head at once, on n bf16 value rows read in
 // place (`stride` elements apart): each row is converted once for all G heads, where G
 // calls of weighted_rows would read an fp32 copy G times. Head g's weights are p + g *
@@ -411,8 +406,6 @@ static void attend(const Problem *p, int64_t b, int64_t h0, int64_t heads, float
     for (int64_t g = 0; g < Q; g++) total[g] = softmax_numerators(scores + g * max_ctx, ctx);
 #ifdef BF16_SCORES
     const int values_bf16 = p->cache_dtype == 2 && D % 64 == 0 && G <= 4;
-#else
-    const int values_bf16 = 0;
 #endif
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t first = i * bs, rows = ctx - first < bs ? ctx - first : bs;
@@ -427,7 +420,6 @@ static void attend(const Problem *p, int64_t b, int64_t h0, int64_t heads, float
             continue;
         }
 #endif
-        (void)values_bf16;
         const float *v = block_rows(p, p->v_cache, p->v_scale, table[i], h0, heads, rows,
                                     buffer, &stride);
         for (int64_t g = 0; g < Q; g++)

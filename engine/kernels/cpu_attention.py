@@ -61,6 +61,13 @@ class DecodePlan:
     max_block: int  # the largest block id a context reaches (the C kernel checks it)
     gather: GatherPlan | None  # None: the C kernel reads the pages in place
 
+    def check_fits(self, num_blocks: int) -> None:
+        """The C kernel trusts the block tables: none may name a block past the cache."""
+        if self.max_block >= num_blocks:
+            raise ValueError(
+                f"block table names block {self.max_block} of a {num_blocks}-block cache"
+            )
+
 
 def decode_plan(block_tables: torch.Tensor, context_lens: list[int], block_size: int) -> DecodePlan:
     batch = len(context_lens)
@@ -108,8 +115,7 @@ def _decode_attention_native(q, k_cache, v_cache, k_scale, v_scale, plan, softma
     check_decode_args(q, k_cache, v_cache, k_scale, v_scale, plan.block_tables, plan.context_lens)
     batch, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if plan.max_block >= num_blocks:
-        raise ValueError(f"block table names block {plan.max_block} of a {num_blocks}-block cache")
+    plan.check_fits(num_blocks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, Hkv, D]")
     if q.stride(2) != 1 or q.stride(1) != head_dim:

@@ -115,6 +115,16 @@ static inline float exp_reduced(float clamped, int32_t *n) {
     return p * (f * f) + f + 1.0f;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 bf16 values to fp32 (exact: the upper half of each lane).
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 // Entry points that decode_layer_cpu.c chains (defined in the files named; each takes
 // torch's intra-op thread count as `threads`).
 // gemm_amx.c

@@ -23,6 +23,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_gemm import GemmPlan
 from engine.kernels import cpu_native
+from engine.kernels.fused_cpu import check_slots
 from engine.kv_cache import PagedKVCache
 
 
@@ -159,14 +160,10 @@ class NativeDecodeLayers:
             raise ValueError(f"the cache's heads {tuple(cache.k.shape)} do not fit {c}")
         if slots.dtype != torch.int64 or slots.shape != (tokens,):
             raise ValueError(f"slot_mapping must be [{tokens}] int64, got {tuple(slots.shape)}")
-        if tokens and int(slots.max()) >= num_blocks * block_size:
-            raise ValueError(f"a slot past the cache's {num_blocks * block_size} rows")
+        check_slots(slots, num_blocks * block_size)
         if plan.batch != tokens or cos.shape != (tokens, 1, head_dim):
             raise ValueError(f"{tokens} rows, but a decode plan for {plan.batch}")
-        if plan.max_block >= num_blocks:
-            raise ValueError(
-                f"block table names block {plan.max_block} of a {num_blocks}-block cache"
-            )
+        plan.check_fits(num_blocks)
         cache_key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape)
         if cache_key != self._cache_key:  # by address, not object: no reference kept
             for index, fields in enumerate(self._layers):

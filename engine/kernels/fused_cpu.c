@@ -46,11 +46,6 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // float_to_bf16 on 16 lanes, in its integer arithmetic (the cvtneps2bf16 instruction would
 // flush subnormals to zero and keep a NaN's sign and payload): the upper half of each lane.
 static inline __m512i rounded16_bf16(__m512 x) {

@@ -58,9 +58,7 @@ def rope_and_store_cpu(
             f"do not fit {tokens} tokens of {num_kv_heads} x {head_dim}"
         )
     slots = slot_mapping.contiguous()
-    capacity = k_cache.shape[0] * k_cache.shape[1]
-    if tokens and int(slots.max()) >= capacity:
-        raise ValueError(f"a slot past the cache's {capacity} rows: {int(slots.max())}")
+    check_slots(slots, k_cache.shape[0] * k_cache.shape[1])
     q = torch.empty((tokens, num_q_heads, head_dim), dtype=dtype)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=dtype)
     lib.rope_and_store(
@@ -70,6 +68,12 @@ def rope_and_store_cpu(
         slots.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return q, k
+
+
+def check_slots(slots: torch.Tensor, capacity: int) -> None:
+    """The C store trusts its slots: none may be past the cache's ``capacity`` rows."""
+    if slots.numel() and int(slots.max()) >= capacity:
+        raise ValueError(f"a slot past the cache's {capacity} rows: {int(slots.max())}")
 
 
 def rmsnorm_native(

@@ -16,8 +16,7 @@
 // Built without AMX (another CPU, an older compiler), amx_gemm_available() returns 0 and
 // the engine keeps its other GEMMs.
 
-#include <stdint.h>
-#include <string.h>
+#include "cpu_native.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -89,11 +88,7 @@ void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, 
 // bias, rounded to bf16 into y's rows (row stride n) at column `col`.
 static void store_sums(const float sums[16][16], int rows, const uint16_t *bias, int64_t col,
                        uint16_t *y, int64_t n) {
-    const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(
-                                      _mm256_loadu_si256((const __m256i *)(bias + col))),
-                                  16))
-                            : _mm512_setzero_ps();
+    const __m512 add = bias ? load16_bf16(bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r]), add);
         _mm256_storeu_si256((__m256i *)(y + r * n + col), (__m256i)_mm512_cvtneps_pbh(sum));
