@@ -13,11 +13,13 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   masked; they are zeroed in the copy too, since a masked score times a garbage (NaN) value
   would still be NaN. At 3 query rows per KV head SDPA's CPU kernel spends most of its time
   on overhead, and the gather copies every page once per layer.
-- Prefill: in bf16 on a CPU with AVX-512 BF16, ``prefill_attention_cpu.c`` (causal, flash
-  style, its dot products the CPU's bf16 instructions) where it is faster than SDPA, timed
-  once per head shape and thread count (``native_prefill_wins``): 2-3x SDPA's speed on an
-  AVX-512 BF16 CPU without AMX, but on one with AMX torch's flash kernel runs its products
-  as AMX tile ops and is 3-4x faster than the C kernel. Otherwise one SDPA call per
+- Prefill: in bf16, a C kernel where it is faster than SDPA, timed once per head shape
+  and thread count (``native_prefill_wins``). On a CPU with AMX and a head_dim of 32 or 64,
+  ``prefill_attention_amx.c``: S^T = K Q^T and O^T = V^T P^T on the tiles, the softmax
+  with one query per lane (1.6-1.8x SDPA at 1-4k tokens here). Otherwise, with AVX-512
+  BF16, ``prefill_attention_cpu.c`` (flash style, its dot products the CPU's bf16
+  instructions): 2-3x SDPA on an AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's
+  AMX products on one with it. Otherwise one SDPA call per
   sequence, never an ``[S, S]`` score tensor: a prompt with no cached prefix takes the
   causal flash kernel, which skips fully masked key blocks; a prompt chunk after a prefix
   gets its keys from the pages plus its own, with a bottom-right causal mask.
@@ -287,9 +289,21 @@ def choose_prefill_kernel(num_q_heads: int, num_kv_heads: int, head_dim: int) ->
 
 
 def _native_prefill_builds(head_dim: int) -> bool:
-    """Whether prefill_attention_cpu.c was built here (AVX-512 BF16) and takes this head_dim."""
+    """Whether a C prefill kernel was built here for this head_dim."""
+    return _prefill_kernel(head_dim) is not None
+
+
+def _prefill_kernel(head_dim: int):
+    """The C prefill kernel for this head_dim: the AMX one where the CPU has AMX and it takes
+    the head_dim, else the AVX-512 BF16 one where that was built; None where neither."""
     lib = cpu_native.library()
-    return lib is not None and bool(lib.prefill_attention_bf16_available()) and head_dim % 32 == 0
+    if lib is None:
+        return None
+    if head_dim in (32, 64) and lib.prefill_attention_amx_available():
+        return lib.prefill_attention_amx_bf16
+    if lib.prefill_attention_bf16_available() and head_dim % 32 == 0:
+        return lib.prefill_attention_bf16
+    return None
 
 
 def _best_s(run, repeats: int = 3) -> float:
@@ -325,7 +339,7 @@ def _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out
     if table is not None and table.numel() and int(table.max()) >= num_blocks:
         raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
     q_rows, k_rows, v_rows = q[seq.start :], k[seq.start :], v[seq.start :]
-    status = cpu_native.library().prefill_attention_bf16(
+    status = _prefill_kernel(head_dim)(
         q_rows.data_ptr(), q.stride(0), k_rows.data_ptr(), k.stride(0),
         v_rows.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         table.data_ptr() if table is not None else None, block_size,

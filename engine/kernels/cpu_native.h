@@ -128,6 +128,7 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 // Entry points that decode_layer_cpu.c chains (defined in the files named; each takes
 // torch's intra-op thread count as `threads`).
 // gemm_amx.c
+int amx_gemm_available(void);
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                     int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads);
 // fused_cpu.c

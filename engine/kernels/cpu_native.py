@@ -37,6 +37,7 @@ SOURCES = tuple(
         "kv_codec_cpu.c",
         "attention_cpu.c",
         "prefill_attention_cpu.c",
+        "prefill_attention_amx.c",
         "fused_cpu.c",
         "quantized_cpu.c",
         "gemm_amx.c",
@@ -123,6 +124,10 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.prefill_attention_bf16.restype = i32
     lib.prefill_attention_bf16_available.argtypes = []
     lib.prefill_attention_bf16_available.restype = i32
+    lib.prefill_attention_amx_bf16.argtypes = lib.prefill_attention_bf16.argtypes
+    lib.prefill_attention_amx_bf16.restype = i32
+    lib.prefill_attention_amx_available.argtypes = []
+    lib.prefill_attention_amx_available.restype = i32
     lib.rope_and_store.argtypes = [
         ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i32,
     ]  # fmt: skip

@@ -111,14 +111,33 @@ PREFILL_CASES = [
     # hq, hkv, d, new lengths, prefix lengths
     (9, 3, 64, [1, 5, 70], [0, 0, 0]),  # smollm2's heads; rows past a 6-row block
     (9, 3, 64, [130, 7], [23, 64]),  # a cached prefix, tiles that straddle it
-    (8, 8, 128, [40], [0]),  # no GQA, a long head
+    (8, 8, 128, [40], [0]),  # no GQA, a long head (the AMX kernel declines: AVX-512 BF16)
     (4, 2, 32, [200, 3], [0, 150]),
+    (9, 3, 64, [600, 45], [0, 1000]),  # past the AMX kernel's 512-key chunks
 ]
+
+_needs_amx_prefill = pytest.mark.skipif(
+    cpu_native.library() is None or not cpu_native.library().prefill_attention_amx_available(),
+    reason="no AMX here: the AVX-512 BF16 prefill kernel (or SDPA) runs instead",
+)
+PREFILL_KERNELS = ["avx512_bf16", pytest.param("amx", marks=_needs_amx_prefill)]
+
+
+def _only_kernel(monkeypatch, kernel: str):
+    """Route bf16 prefill through one C kernel (the AMX one is preferred where present)."""
+    if kernel == "avx512_bf16":  # None where the test takes the library away
+        monkeypatch.setattr(
+            cpu_attention,
+            "_prefill_kernel",
+            lambda d: cpu_native.library() and cpu_native.library().prefill_attention_bf16,
+        )
 
 
 @needs_bf16_prefill
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS)
 @pytest.mark.parametrize("hq, hkv, d, new, prefix", PREFILL_CASES)
-def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, monkeypatch):
+def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, monkeypatch):
+    _only_kernel(monkeypatch, kernel)
     args, scale = _case(torch.bfloat16, hq, hkv, d, new, prefix)
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
@@ -136,8 +155,47 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, monkeypat
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@_needs_amx_prefill
+def test_amx_prefill_rescales_when_a_later_chunk_holds_the_maximum(monkeypatch):
+    """Keys that grow along the prompt put each query's largest scores in its last 512-key
+    chunk: the sums of the earlier chunks are rescaled to it, not overflowed or lost."""
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [1500], [0])
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    growth = torch.linspace(0.2, 3.0, 1500)[:, None, None]
+    args[1] = k = (k.float() * growth).to(torch.bfloat16)
+    args[0] = q = (q.float() * 2).to(torch.bfloat16)
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
+    out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    expected = prefill_attention_reference(*args, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@_needs_amx_prefill
+def test_amx_prefill_gives_the_same_bits_strided_and_at_any_thread_count(monkeypatch):
+    """Each 16 queries of a head are summed by one thread in key order, whichever thread."""
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [700, 30], [0, 40])
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
+    fused = torch.cat([q, k, v], dim=1)  # [T, Hq + 2 Hkv, D]: the qkv projection's rows
+    strided_q, strided_k, strided_v = fused[:, :9], fused[:, 9:12], fused[:, 12:]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+        torch.set_num_threads(2)
+        two = prefill_attention_cpu(strided_q, strided_k, strided_v, kc, vc, ks, vs, plan, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 @needs_bf16_prefill
-def test_bf16_prefill_is_no_further_from_exact_than_sdpa(monkeypatch):
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS)
+def test_bf16_prefill_is_no_further_from_exact_than_sdpa(kernel, monkeypatch):
+    _only_kernel(monkeypatch, kernel)
     args, scale = _case(torch.bfloat16, 9, 3, 64, [300], [0])
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])

@@ -1,0 +1,444 @@
+// Causal prefill attention in bf16 on AMX tiles (Sapphire Rapids and later): the same
+// contract as prefill_attention_bf16 in prefill_attention_cpu.c (one sequence's new tokens
+// over its cached prefix plus themselves), for head_dim 32 or 64.
+//
+// Why transposed: the softmax is what bounds attention once AMX does the products, and it
+// is cheapest with one query per lane. So the kernel computes S^T = K Q^T (keys x queries)
+// and O^T = V^T P^T: each register of scores is one key for 16 queries, the row maxima and
+// sums are lane-wise (no horizontal reductions), and two keys' probabilities, interleaved,
+// are one row of the B operand of the next product as they stand.
+//
+// No online softmax: a work item (16 queries of one head) keeps all its scores (64 bytes a
+// key, in L2), so it finds the exact row maxima first and O^T never needs rescaling (its
+// sums stay in tile registers across all the keys). The tiles and the vector units are
+// separate: the next item's S^T is issued on the tiles between the rows of this item's
+// softmax, which then costs the tiles nothing.
+//
+// Precision as torch's CPU flash kernel for bf16 (and prefill_attention_cpu.c): q.k exact
+// and summed in fp32, softmax in fp32 (against the exact row maximum here), probabilities
+// rounded to bf16 for the product with V, summed in fp32, one rounding at the end.
+//
+//   q      [n, Hq, D] bf16, rows q_stride elements apart (heads D apart)
+//   k, v   [n, Hkv, D] bf16, the new tokens' keys and values, rows k_stride / v_stride apart
+//   caches [N, bs, Hkv, D] bf16 contiguous, read for the prefix through table[]
+//   out    [n, Hq, D] bf16, rows out_stride apart
+
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_native.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define QUERIES 16  // queries per work item: the tiles' 16 columns
+#define KEYS 32     // keys per step: the K of the product with V (32 bf16 a tile row)
+
+// Every tile is 16 rows of 64 bytes; attend says what each holds when.
+static void configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// 2^x on 16 lanes for x <= 0 (the callers clamp at -126): x = n + f with |f| <= 1/2, a
+// degree-5 polynomial for 2^f (within 1.8e-7, fitted here on Chebyshev nodes), scalef for 2^n.
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    const uint16_t *q;
+    int64_t q_stride, n, prefix, S, Hq, Hkv, D;
+    float scale;
+    uint16_t *out;
+    int64_t out_stride;
+    const uint16_t *keys;      // [Hkv][steps * KEYS][D]: rows of K, zeros past S
+    const uint16_t *values_t;  // [Hkv][steps][D][KEYS]: V^T per step, zeros past S
+    int64_t steps;
+} Attention;
+
+// One KV head's keys (rows as they are) and values (transposed per step of KEYS keys),
+// from the cache for the prefix and from k / v for the new tokens.
+static void pack_head(const Attention *a, const uint16_t *k, int64_t k_stride,
+                      const uint16_t *v, int64_t v_stride, const uint16_t *k_cache,
+                      const uint16_t *v_cache, const int32_t *table, int64_t block_size,
+                      int64_t h, uint16_t *keys, uint16_t *values_t) {
+    const int64_t D = a->D, padded = a->steps * KEYS;
+    uint16_t *kh = keys + h * padded * D, *vh = values_t + h * padded * D;
+    for (int64_t j = 0; j < padded; j++) {
+        const uint16_t *kr = NULL, *vr = NULL;
+        if (j < a->prefix) {
+            const int64_t at = (int64_t)table[j / block_size] * block_size + j % block_size;
+            kr = k_cache + (at * a->Hkv + h) * D;
+            vr = v_cache + (at * a->Hkv + h) * D;
+        } else if (j < a->S) {
+            kr = k + (j - a->prefix) * k_stride + h * D;
+            vr = v + (j - a->prefix) * v_stride + h * D;
+        }
+        if (kr) memcpy(kh + j * D, kr, sizeof(uint16_t) * D);
+        else memset(kh + j * D, 0, sizeof(uint16_t) * D);
+        uint16_t *vt = vh + (j / KEYS) * D * KEYS + j % KEYS;
+        for (int64_t d = 0; d < D; d++) vt[d * KEYS] = vr ? vr[d] : 0;
+    }
+}
+
+// 16 queries of one q head, and where they sit.
+typedef struct {
+    int64_t head, i0, rows;
+    int64_t first;  // position of query lane 0 (prefix + i0)
+    int64_t steps;  // steps of KEYS keys through the last query's own key
+    const uint16_t *keys_h, *values_h;
+} Item;
+
+// Items KV head by KV head (a core then keeps one head's keys and values in L2), within a
+// head from the longest (the last query block) down, its query heads innermost.
+static Item item_at(const Attention *a, int64_t index) {
+    const int64_t blocks = (a->n + QUERIES - 1) / QUERIES, group = a->Hq / a->Hkv;
+    const int64_t h = index / (blocks * group), within = index % (blocks * group);
+    const int64_t b = blocks - 1 - within / group, head = h * group + within % group;
+    const int64_t padded = a->steps * KEYS;
+    Item it = {head, b * QUERIES, a->n - b * QUERIES < QUERIES ? a->n - b * QUERIES : QUERIES,
+               a->prefix + b * QUERIES, 0, a->keys + h * padded * a->D,
+               a->values_t + h * padded * a->D};
+    it.steps = (it.first + it.rows - 1) / KEYS + 1;
+    return it;
+}
+
+// Keys are taken in chunks, so a thread's scores stay in L2 whatever the length: an online
+// softmax across chunks (rescaling O^T, which is in memory between chunks anyway), the
+// exact maximum within each.
+#define CHUNK_STEPS 16  // 512 keys
+
+// A chunk's working memory: its S^T and P^T. A thread has two: the chunk in its softmax
+// and the next one on the tiles.
+typedef struct {
+    float *scores;    // [CHUNK_STEPS * KEYS][16]: S^T, one row of 16 queries per key
+    uint16_t *probs;  // [CHUNK_STEPS][KEYS/2][16][2]: P^T in bf16, key pairs per query
+} Scratch;
+
+// Steps [s0, s1) of an item.
+typedef struct {
+    Item it;
+    int64_t s0, s1;
+} Chunk;
+
+// Q^T as B tiles: row i of tile t = dims 32t + 2i, 32t + 2i + 1 of each query, one 32-bit
+// pair per query (zeros for queries past the rows).
+static void gather_queries(const Attention *a, const Item *it, uint16_t *q_t) {
+    const __mmask16 present = (__mmask16)((1u << it->rows) - 1);
+    const __m512i query_rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int32_t)(a->q_stride / 2)));  // in 32-bit pairs
+    const uint16_t *q0 = a->q + it->i0 * a->q_stride + it->head * a->D;
+    for (int64_t i = 0; i < a->D / 2; i++)
+        _mm512_store_si512(q_t + i * 32,
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
+                                                       query_rows, q0 + 2 * i, 4));
+}
+
+// Tile use (each 16 rows x 64 bytes): 4-5 = Q^T of the item on the tiles, 0-1 = K rows
+// (A), 2-3 and 6-7 = S^T of a step in turn; then, for the product with V, 4-7 = O^T (16
+// dims each), 0-1 = V^T rows (A), 2-3 = P^T (B).
+static void load_queries(const Attention *a, const uint16_t *q_t) {
+    _tile_loadd(4, q_t, 64);
+    if (a->D == 64) _tile_loadd(5, q_t + 512, 64);
+}
+
+// S^T = K Q^T for step s (keys [32 s, 32 s + 32)) into scores[32][16]; Q^T in tiles 4-5.
+// Two A tiles in turn and two pairs of sums, so that a load never waits for the product
+// still reading its tile. (Literal tile numbers throughout: the intrinsics take constants.)
+#define KEY_SCORES(C0, C1, keys_h, D, s, scores)                     \
+    do {                                                               \
+        const uint16_t *k0_ = (keys_h) + (s) * KEYS * (D);             \
+        float *out_ = (scores);                                        \
+        _tile_zero(C0);                                                \
+        _tile_zero(C1);                                                \
+        _tile_loadd(0, k0_, (D) * 2);                                  \
+        _tile_dpbf16ps(C0, 0, 4);                                      \
+        _tile_loadd(1, k0_ + 16 * (D), (D) * 2);                       \
+        _tile_dpbf16ps(C1, 1, 4);                                      \
+        if ((D) == 64) {                                               \
+            _tile_loadd(0, k0_ + 32, (D) * 2);                         \
+            _tile_dpbf16ps(C0, 0, 5);                                  \
+            _tile_loadd(1, k0_ + 16 * (D) + 32, (D) * 2);              \
+            _tile_dpbf16ps(C1, 1, 5);                                  \
+        }                                                              \
+        _tile_stored(C0, out_, 64);                                    \
+        _tile_stored(C1, out_ + 16 * 16, 64);                          \
+    } while (0)
+
+// Step s of chunk c into the chunk's scores.
+static inline void key_scores(const Attention *a, const Chunk *c, float *scores, int64_t s) {
+    float *rows = scores + (s - c->s0) * KEYS * 16;
+    if (s % 2 == 0) KEY_SCORES(2, 3, c->it.keys_h, a->D, s, rows);
+    else KEY_SCORES(6, 7, c->it.keys_h, a->D, s, rows);
+}
+
+// Which of the 16 queries (positions first .. first + 15) see key j: causal.
+static inline __mmask16 visible(int64_t first, int64_t j) {
+    if (j <= first) return 0xFFFF;
+    if (j > first + 15) return 0;
+    return (__mmask16)(0xFFFFu << (j - first));
+}
+
+// Each query's maximum score over the chunk's keys that it sees (-inf if none). Keys up
+// to `first` are seen by all 16; four running maxima, as max's latency is 4 of its throughput.
+static __m512 row_maxima(const Chunk *c, const float *scores) {
+    const int64_t j0 = c->s0 * KEYS, j1 = c->s1 * KEYS;
+    const int64_t open = c->it.first + 1 < j1 ? c->it.first + 1 : j1;
+    __m512 tops[4];
+    for (int i = 0; i < 4; i++) tops[i] = _mm512_set1_ps(-INFINITY);
+    int64_t j = j0;
+    for (; j + 4 <= open; j += 4)
+        for (int i = 0; i < 4; i++)
+            tops[i] = _mm512_max_ps(tops[i], _mm512_load_ps(scores + (j + i - j0) * 16));
+    for (; j < j1; j++)
+        tops[0] = _mm512_mask_max_ps(tops[0], visible(c->it.first, j), tops[0],
+                                     _mm512_load_ps(scores + (j - j0) * 16));
+    return _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+}
+
+// P^T = 2^(s * factor - shift) in bf16 (0 where masked), key pairs interleaved per query;
+// returns the rows' sums in fp32. Between steps it issues the next chunk's S^T (its Q^T
+// already in tiles 4-5), step by step, on the tiles; next may be NULL.
+static __m512 probabilities(const Chunk *c, const Scratch *w, __m512 factor, __m512 shift,
+                            const Attention *a, const Chunk *next, const Scratch *next_w) {
+    const int64_t j0 = c->s0 * KEYS, j1 = c->s1 * KEYS, open = c->it.first + 1;
+    const __m512i interleave = _mm512_set_epi16(  // word 2i: key j's lane i, 2i + 1: key j + 1's
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t issued = next ? next->s0 : 0;  // the next chunk's steps on the tiles so far
+    for (int64_t j = j0; j < j1; j += 2) {
+        if (next && j % KEYS == 0 && issued < next->s1)
+            key_scores(a, next, next_w->scores, issued++);
+        const float *rows = w->scores + (j - j0) * 16;
+        __m512 p[2];
+        for (int e = 0; e < 2; e++) {
+            const __m512 x = _mm512_max_ps(
+                _mm512_fmsub_ps(_mm512_load_ps(rows + e * 16), factor, shift),
+                _mm512_set1_ps(-126.0f));
+            p[e] = exp2_16(x);
+            if (j + e >= open) p[e] = _mm512_maskz_mov_ps(visible(c->it.first, j + e), p[e]);
+            sums[e] = _mm512_add_ps(sums[e], p[e]);
+        }
+        // bf16 of keys j (low half) and j + 1 (high half), then pairs per query
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
+        _mm512_store_si512(w->probs + (j - j0) * 16, _mm512_permutexvar_epi16(interleave, both));
+    }
+    while (next && issued < next->s1) key_scores(a, next, next_w->scores, issued++);
+    return _mm512_add_ps(sums[0], sums[1]);
+}
+
+// O^T += V^T P^T for step s, in tiles 4-7 (free: the next chunk's S^T is done).
+#define VALUES_STEP(B, s)                                          \
+    do {                                                           \
+        const uint16_t *vt_ = c->it.values_h + (s) * D * KEYS;     \
+        _tile_loadd(B, w->probs + ((s) - c->s0) * KEYS * 16, 64);  \
+        _tile_loadd(0, vt_, KEYS * 2);                             \
+        _tile_dpbf16ps(4, 0, B);                                   \
+        _tile_loadd(1, vt_ + 16 * KEYS, KEYS * 2);                 \
+        _tile_dpbf16ps(5, 1, B);                                   \
+        if (D == 64) {                                             \
+            _tile_loadd(0, vt_ + 32 * KEYS, KEYS * 2);             \
+            _tile_dpbf16ps(6, 0, B);                               \
+            _tile_loadd(1, vt_ + 48 * KEYS, KEYS * 2);             \
+            _tile_dpbf16ps(7, 1, B);                               \
+        }                                                          \
+    } while (0)
+
+// o_t [D][16] += the chunk's V^T P^T (o_t is zeros for an item's first chunk).
+static void add_values(const Attention *a, const Chunk *c, const Scratch *w, float *o_t) {
+    const int64_t D = a->D;
+    _tile_loadd(4, o_t, 64);
+    _tile_loadd(5, o_t + 256, 64);
+    if (D == 64) {
+        _tile_loadd(6, o_t + 512, 64);
+        _tile_loadd(7, o_t + 768, 64);
+    }
+    int64_t s = c->s0;
+    for (; s + 2 <= c->s1; s += 2) {
+        VALUES_STEP(2, s);
+        VALUES_STEP(3, s + 1);
+    }
+    if (s < c->s1) VALUES_STEP(2, s);
+    _tile_stored(4, o_t, 64);
+    _tile_stored(5, o_t + 256, 64);
+    if (D == 64) {
+        _tile_stored(6, o_t + 512, 64);
+        _tile_stored(7, o_t + 768, 64);
+    }
+}
+#undef VALUES_STEP
+
+// O = O^T transposed / l into out's rows, one query's 16 dims per gather.
+static void write_out(const Attention *a, const Item *it, const float *o_t, __m512 sum) {
+    _Alignas(64) float inverse[QUERIES];
+    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    const __m512i dims = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(QUERIES));
+    for (int64_t r = 0; r < it->rows; r++) {
+        uint16_t *o = a->out + (it->i0 + r) * a->out_stride + it->head * a->D;
+        for (int64_t d = 0; d < a->D; d += 16) {
+            const __m512 x = _mm512_i32gather_ps(dims, o_t + d * QUERIES + r, 4);
+            const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(x, _mm512_set1_ps(inverse[r])));
+            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)y);
+        }
+    }
+}
+
+// The chunk after c among a thread's items (thread, thread + threads, ...: longest first,
+// so the threads end together); 0 when c was its last.
+static int following(const Attention *a, const Chunk *c, int64_t *index, int threads,
+                     Chunk *next) {
+    if (c->s1 < c->it.steps) {
+        *next = (Chunk){c->it, c->s1, c->s1 + CHUNK_STEPS < c->it.steps ? c->s1 + CHUNK_STEPS : c->it.steps};
+        return 1;
+    }
+    const int64_t items = (a->n + QUERIES - 1) / QUERIES * a->Hq;
+    if (*index + threads >= items) return 0;
+    *index += threads;
+    const Item it = item_at(a, *index);
+    *next = (Chunk){it, 0, CHUNK_STEPS < it.steps ? CHUNK_STEPS : it.steps};
+    return 1;
+}
+
+// A thread's chunks, each one's S^T computed on the tiles during the softmax of the one
+// before it.
+static void attend_items(const Attention *a, int thread, int threads, Scratch w[2],
+                         uint16_t *q_t[2], float *o_t) {
+    int64_t index = thread;
+    if (index >= (a->n + QUERIES - 1) / QUERIES * a->Hq) return;
+    const __m512 factor = _mm512_set1_ps(a->scale * 1.44269504088896341f);
+    const Item first = item_at(a, index);
+    Chunk c = {first, 0, CHUNK_STEPS < first.steps ? CHUNK_STEPS : first.steps};
+    int q_at = 0;  // which q_t holds c's queries
+    gather_queries(a, &c.it, q_t[q_at]);
+    load_queries(a, q_t[q_at]);
+    for (int64_t s = c.s0; s < c.s1; s++) key_scores(a, &c, w[0].scores, s);
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();  // c's item's so far
+    for (int cur = 0;; cur ^= 1) {
+        Chunk next;
+        const int has_next = following(a, &c, &index, threads, &next);
+        const int next_q = has_next && next.s0 == 0 ? q_at ^ 1 : q_at;
+        if (has_next) {
+            if (next.s0 == 0) gather_queries(a, &next.it, q_t[next_q]);
+            load_queries(a, q_t[next_q]);
+        }
+        if (c.s0 == 0) memset(o_t, 0, sizeof(float) * a->D * QUERIES);
+        const __m512 new_top = _mm512_max_ps(top, row_maxima(&c, w[cur].scores));
+        if (c.s0 > 0 && _mm512_cmp_ps_mask(new_top, top, _CMP_GT_OQ)) {
+            // a larger maximum: what was summed against the old one shrinks by 2^(old - new)
+            const __m512 alpha = exp2_16(_mm512_mul_ps(_mm512_sub_ps(top, new_top), factor));
+            sum = _mm512_mul_ps(sum, alpha);
+            for (int64_t d = 0; d < a->D; d++)
+                _mm512_store_ps(o_t + d * 16, _mm512_mul_ps(_mm512_load_ps(o_t + d * 16), alpha));
+        }
+        top = new_top;
+        sum = _mm512_add_ps(sum, probabilities(&c, &w[cur], factor, _mm512_mul_ps(top, factor),
+                                               a, has_next ? &next : NULL, &w[cur ^ 1]));
+        add_values(a, &c, &w[cur], o_t);
+        if (c.s1 == c.it.steps) {
+            write_out(a, &c.it, o_t, sum);
+            top = _mm512_set1_ps(-INFINITY);
+            sum = _mm512_setzero_ps();
+        }
+        if (!has_next) return;
+        c = next;
+        q_at = next_q;
+    }
+}
+#endif
+
+int prefill_attention_amx_available(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return amx_gemm_available();
+#else
+    return 0;
+#endif
+}
+
+// Returns 0; -1 without AMX or scratch memory; -2 for a D it does not take (32 and 64).
+int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                               int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                               const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int32_t *table, int64_t block_size, int64_t n,
+                               int64_t prefix, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                               uint16_t *out, int64_t out_stride, int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (D != 32 && D != 64) return -2;
+    if (!amx_gemm_available()) return -1;
+    const int64_t S = prefix + n, steps = (S + KEYS - 1) / KEYS;
+    const size_t per_head = (size_t)steps * KEYS * D;
+    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * 2 * Hkv * per_head);
+    if (packed == NULL) return -1;
+    Attention a = {q, q_stride, n, prefix, S, Hq, Hkv, D, scale, out, out_stride,
+                   packed, packed + Hkv * per_head, steps};
+    int failed = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < Hkv; h++)
+            pack_head(&a, k, k_stride, v, v_stride, k_cache, v_cache, table, block_size, h,
+                      packed, packed + Hkv * per_head);
+        Scratch w[2];
+        uint16_t *q_t[2];
+        const size_t keys = CHUNK_STEPS * KEYS;
+        for (int i = 0; i < 2; i++) {
+            q_t[i] = aligned_alloc(64, sizeof(uint16_t) * 64 * QUERIES);
+            w[i].scores = aligned_alloc(64, sizeof(float) * keys * QUERIES);
+            w[i].probs = aligned_alloc(64, sizeof(uint16_t) * keys * QUERIES);
+        }
+        float *o_t = aligned_alloc(64, sizeof(float) * 64 * QUERIES);
+        const int ready = q_t[0] && q_t[1] && w[0].scores && w[1].scores && w[0].probs &&
+                          w[1].probs && o_t;
+        if (!ready) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (ready) {
+            configure();
+            int thread = 0, count = 1;
+#ifdef _OPENMP
+            thread = omp_get_thread_num();
+            count = omp_get_num_threads();
+#endif
+            attend_items(&a, thread, count, w, q_t, o_t);
+            _tile_release();
+        }
+        for (int i = 0; i < 2; i++) {
+            free(q_t[i]);
+            free(w[i].scores);
+            free(w[i].probs);
+        }
+        free(o_t);
+    }
+    free(packed);
+    return failed ? -1 : 0;
+#else
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)k_cache;
+    (void)v_cache, (void)table, (void)block_size, (void)n, (void)prefix, (void)Hq, (void)Hkv;
+    (void)D, (void)scale, (void)out, (void)out_stride, (void)threads;
+    return -1;
+#endif
+}
