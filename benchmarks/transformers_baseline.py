@@ -50,11 +50,11 @@ class TransformersRunner:
         return torch.tensor(_prompts(count, length, self.vocab, self._seed), device=self.device)
 
     @torch.inference_mode()
-    def prefill_s(self, count: int, length: int) -> float:
+    def prefill_s(self, count: int, length: int, repeats: int = 1) -> float:
         ids = self.fresh(count, length)
         return best_of(
             lambda: self.model(ids, use_cache=False, logits_to_keep=1),
-            repeats=1,
+            repeats=repeats,
             device=self.device,
         )
 
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, required=True)
     parser.add_argument("--output-len", type=int, required=True)
     parser.add_argument("--prefill", required=True)
+    parser.add_argument("--prefill-repeats", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(
         "--default-malloc", action="store_true", help="glibc's defaults, not the engine's"
@@ -101,7 +102,7 @@ def main() -> None:
         runner.decode_step_s(int(c), args.prompt_len, args.output_len) * 1e3
         for c in args.concurrency.split(",")
     ]
-    prefill = [runner.prefill_s(c, n) * 1e3 for c, n in _shapes(args.prefill)]
+    prefill = [runner.prefill_s(c, n, args.prefill_repeats) * 1e3 for c, n in _shapes(args.prefill)]
     print(json.dumps({"decode_ms": decode, "prefill_ms": prefill}))
 
 
