@@ -107,24 +107,31 @@ typedef struct {
     const uint16_t *keys_h, *values_h;
 } Item;
 
-// Items KV head by KV head (a core then keeps one head's keys and values in L2), within a
-// head from the longest (the last query block) down, its query heads innermost.
-static Item item_at(const Attention *a, int64_t index) {
+// Work goes out in groups: one query block of one KV head, with that head's G query
+// heads. Groups KV head by KV head (a core then keeps one head's keys and values in L2),
+// within a head from the longest (the last query block) down.
+static int64_t group_count(const Attention *a) {
+    return (a->n + QUERIES - 1) / QUERIES * a->Hkv;
+}
+
+// Query head g of group `index`.
+static Item item_at(const Attention *a, int64_t index, int64_t g) {
     const int64_t blocks = (a->n + QUERIES - 1) / QUERIES, group = a->Hq / a->Hkv;
-    const int64_t h = index / (blocks * group), within = index % (blocks * group);
-    const int64_t b = blocks - 1 - within / group, head = h * group + within % group;
+    const int64_t h = index / blocks, b = blocks - 1 - index % blocks;
     const int64_t padded = a->steps * KEYS;
-    Item it = {head, b * QUERIES, a->n - b * QUERIES < QUERIES ? a->n - b * QUERIES : QUERIES,
+    Item it = {h * group + g, b * QUERIES,
+               a->n - b * QUERIES < QUERIES ? a->n - b * QUERIES : QUERIES,
                a->prefix + b * QUERIES, 0, a->keys + h * padded * a->D,
                a->values_t + h * padded * a->D};
     it.steps = (it.first + it.rows - 1) / KEYS + 1;
     return it;
 }
 
-// Keys are taken in chunks, so a thread's scores stay in L2 whatever the length: an online
-// softmax across chunks (rescaling O^T, which is in memory between chunks anyway), the
-// exact maximum within each.
-#define CHUNK_STEPS 16  // 512 keys
+// Keys are taken in chunks: an online softmax across chunks (rescaling O^T, which is in
+// memory between chunks anyway), the exact maximum within each. A chunk's keys and values
+// (2 x 16 KiB) are read from L2 for the group's first query head and from L1 for the
+// others, and a thread's scores stay in L1 whatever the length.
+#define CHUNK_STEPS 4  // 128 keys
 
 // A chunk's working memory: its S^T and P^T. A thread has two: the chunk in its softmax
 // and the next one on the tiles.
@@ -133,10 +140,10 @@ typedef struct {
     uint16_t *probs;  // [CHUNK_STEPS][KEYS/2][16][2]: P^T in bf16, key pairs per query
 } Scratch;
 
-// Steps [s0, s1) of an item.
+// Steps [s0, s1) of query head g of a group.
 typedef struct {
     Item it;
-    int64_t s0, s1;
+    int64_t s0, s1, g;
 } Chunk;
 
 // Q^T as B tiles: row i of tile t = dims 32t + 2i, 32t + 2i + 1 of each query, one 32-bit
@@ -305,46 +312,73 @@ static void write_out(const Attention *a, const Item *it, const float *o_t, __m5
     }
 }
 
-// The chunk after c among a thread's items (thread, thread + threads, ...: longest first,
-// so the threads end together); 0 when c was its last.
+// The unit after c among a thread's groups (thread, thread + threads, ...: longest first,
+// so the threads end together): the chunk's next query head, else the next chunk's first,
+// else the next group's; 0 when c was the last.
 static int following(const Attention *a, const Chunk *c, int64_t *index, int threads,
                      Chunk *next) {
-    if (c->s1 < c->it.steps) {
-        *next = (Chunk){c->it, c->s1, c->s1 + CHUNK_STEPS < c->it.steps ? c->s1 + CHUNK_STEPS : c->it.steps};
+    if (c->g + 1 < a->Hq / a->Hkv) {
+        *next = (Chunk){item_at(a, *index, c->g + 1), c->s0, c->s1, c->g + 1};
         return 1;
     }
-    const int64_t items = (a->n + QUERIES - 1) / QUERIES * a->Hq;
-    if (*index + threads >= items) return 0;
+    if (c->s1 < c->it.steps) {
+        const int64_t s1 = c->s1 + CHUNK_STEPS < c->it.steps ? c->s1 + CHUNK_STEPS : c->it.steps;
+        *next = (Chunk){item_at(a, *index, 0), c->s1, s1, 0};
+        return 1;
+    }
+    if (*index + threads >= group_count(a)) return 0;
     *index += threads;
-    const Item it = item_at(a, *index);
-    *next = (Chunk){it, 0, CHUNK_STEPS < it.steps ? CHUNK_STEPS : it.steps};
+    const Item it = item_at(a, *index, 0);
+    *next = (Chunk){it, 0, CHUNK_STEPS < it.steps ? CHUNK_STEPS : it.steps, 0};
     return 1;
 }
 
-// A thread's chunks, each one's S^T computed on the tiles during the softmax of the one
+// Per query head of the group in hand: Q^T, O^T so far, and the online softmax's state.
+typedef struct {
+    uint16_t *q_t[2];  // [G][D/32][16 dim pairs][16 queries][2]: this group's, the next's
+    float *o_t;        // [G][D][16]
+    float *tops;       // [G][16]: each query's largest score so far
+    float *sums;       // [G][16]: its sum of 2^((s - top) * scale * log2 e) so far
+} Heads;
+
+// A thread's units, each one's S^T computed on the tiles during the softmax of the one
 // before it.
 static void attend_items(const Attention *a, int thread, int threads, Scratch w[2],
-                         uint16_t *q_t[2], float *o_t) {
+                         const Heads *heads) {
     int64_t index = thread;
-    if (index >= (a->n + QUERIES - 1) / QUERIES * a->Hq) return;
+    if (index >= group_count(a)) return;
+    const int64_t G = a->Hq / a->Hkv, q_size = a->D * QUERIES, o_size = a->D * QUERIES;
     const __m512 factor = _mm512_set1_ps(a->scale * 1.44269504088896341f);
-    const Item first = item_at(a, index);
-    Chunk c = {first, 0, CHUNK_STEPS < first.steps ? CHUNK_STEPS : first.steps};
-    int q_at = 0;  // which q_t holds c's queries
-    gather_queries(a, &c.it, q_t[q_at]);
-    load_queries(a, q_t[q_at]);
+    const Item first = item_at(a, index, 0);
+    Chunk c = {first, 0, CHUNK_STEPS < first.steps ? CHUNK_STEPS : first.steps, 0};
+    int q_at = 0;  // which q_t holds c's group's queries
+    for (int64_t g = 0; g < G; g++) {
+        const Item it = item_at(a, index, g);
+        gather_queries(a, &it, heads->q_t[q_at] + g * q_size);
+    }
+    load_queries(a, heads->q_t[q_at]);
     for (int64_t s = c.s0; s < c.s1; s++) key_scores(a, &c, w[0].scores, s);
-    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();  // c's item's so far
     for (int cur = 0;; cur ^= 1) {
         Chunk next;
         const int has_next = following(a, &c, &index, threads, &next);
-        const int next_q = has_next && next.s0 == 0 ? q_at ^ 1 : q_at;
-        if (has_next) {
-            if (next.s0 == 0) gather_queries(a, &next.it, q_t[next_q]);
-            load_queries(a, q_t[next_q]);
+        const int new_group = has_next && next.s0 == 0 && next.g == 0;
+        const int next_q = new_group ? q_at ^ 1 : q_at;
+        if (new_group)
+            for (int64_t g = 0; g < G; g++) {
+                const Item it = item_at(a, index, g);
+                gather_queries(a, &it, heads->q_t[next_q] + g * q_size);
+            }
+        if (has_next) load_queries(a, heads->q_t[next_q] + next.g * q_size);
+        float *o_t = heads->o_t + c.g * o_size, *tops = heads->tops + c.g * 16;
+        float *sums = heads->sums + c.g * 16;
+        if (c.s0 == 0) {
+            memset(o_t, 0, sizeof(float) * o_size);
+            _mm512_store_ps(tops, _mm512_set1_ps(-INFINITY));
+            _mm512_store_ps(sums, _mm512_setzero_ps());
         }
-        if (c.s0 == 0) memset(o_t, 0, sizeof(float) * a->D * QUERIES);
+        const __m512 top = _mm512_load_ps(tops);
         const __m512 new_top = _mm512_max_ps(top, row_maxima(&c, w[cur].scores));
+        __m512 sum = _mm512_load_ps(sums);
         if (c.s0 > 0 && _mm512_cmp_ps_mask(new_top, top, _CMP_GT_OQ)) {
             // a larger maximum: what was summed against the old one shrinks by 2^(old - new)
             const __m512 alpha = exp2_16(_mm512_mul_ps(_mm512_sub_ps(top, new_top), factor));
@@ -352,15 +386,12 @@ static void attend_items(const Attention *a, int thread, int threads, Scratch w[
             for (int64_t d = 0; d < a->D; d++)
                 _mm512_store_ps(o_t + d * 16, _mm512_mul_ps(_mm512_load_ps(o_t + d * 16), alpha));
         }
-        top = new_top;
-        sum = _mm512_add_ps(sum, probabilities(&c, &w[cur], factor, _mm512_mul_ps(top, factor),
+        sum = _mm512_add_ps(sum, probabilities(&c, &w[cur], factor, _mm512_mul_ps(new_top, factor),
                                                a, has_next ? &next : NULL, &w[cur ^ 1]));
+        _mm512_store_ps(tops, new_top);
+        _mm512_store_ps(sums, sum);
         add_values(a, &c, &w[cur], o_t);
-        if (c.s1 == c.it.steps) {
-            write_out(a, &c.it, o_t, sum);
-            top = _mm512_set1_ps(-INFINITY);
-            sum = _mm512_setzero_ps();
-        }
+        if (c.s1 == c.it.steps) write_out(a, &c.it, o_t, sum);
         if (!has_next) return;
         c = next;
         q_at = next_q;
@@ -401,16 +432,18 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
             pack_head(&a, k, k_stride, v, v_stride, k_cache, v_cache, table, block_size, h,
                       packed, packed + Hkv * per_head);
         Scratch w[2];
-        uint16_t *q_t[2];
-        const size_t keys = CHUNK_STEPS * KEYS;
+        const size_t keys = CHUNK_STEPS * KEYS, G = (size_t)(Hq / Hkv);
         for (int i = 0; i < 2; i++) {
-            q_t[i] = aligned_alloc(64, sizeof(uint16_t) * 64 * QUERIES);
             w[i].scores = aligned_alloc(64, sizeof(float) * keys * QUERIES);
             w[i].probs = aligned_alloc(64, sizeof(uint16_t) * keys * QUERIES);
         }
-        float *o_t = aligned_alloc(64, sizeof(float) * 64 * QUERIES);
-        const int ready = q_t[0] && q_t[1] && w[0].scores && w[1].scores && w[0].probs &&
-                          w[1].probs && o_t;
+        Heads heads = {{aligned_alloc(64, sizeof(uint16_t) * G * 64 * QUERIES),
+                        aligned_alloc(64, sizeof(uint16_t) * G * 64 * QUERIES)},
+                       aligned_alloc(64, sizeof(float) * G * 64 * QUERIES),
+                       aligned_alloc(64, sizeof(float) * G * QUERIES),
+                       aligned_alloc(64, sizeof(float) * G * QUERIES)};
+        const int ready = w[0].scores && w[1].scores && w[0].probs && w[1].probs &&
+                          heads.q_t[0] && heads.q_t[1] && heads.o_t && heads.tops && heads.sums;
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -423,15 +456,17 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
             thread = omp_get_thread_num();
             count = omp_get_num_threads();
 #endif
-            attend_items(&a, thread, count, w, q_t, o_t);
+            attend_items(&a, thread, count, w, &heads);
             _tile_release();
         }
         for (int i = 0; i < 2; i++) {
-            free(q_t[i]);
             free(w[i].scores);
             free(w[i].probs);
+            free(heads.q_t[i]);
         }
-        free(o_t);
+        free(heads.o_t);
+        free(heads.tops);
+        free(heads.sums);
     }
     free(packed);
     return failed ? -1 : 0;

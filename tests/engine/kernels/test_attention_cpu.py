@@ -113,7 +113,7 @@ PREFILL_CASES = [
     (9, 3, 64, [130, 7], [23, 64]),  # a cached prefix, tiles that straddle it
     (8, 8, 128, [40], [0]),  # no GQA, a long head (the AMX kernel declines: AVX-512 BF16)
     (4, 2, 32, [200, 3], [0, 150]),
-    (9, 3, 64, [600, 45], [0, 1000]),  # past the AMX kernel's 512-key chunks
+    (9, 3, 64, [600, 45], [0, 1000]),  # many of the AMX kernel's 128-key chunks
 ]
 
 _needs_amx_prefill = pytest.mark.skipif(
@@ -157,7 +157,7 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
 
 @_needs_amx_prefill
 def test_amx_prefill_rescales_when_a_later_chunk_holds_the_maximum(monkeypatch):
-    """Keys that grow along the prompt put each query's largest scores in its last 512-key
+    """Keys that grow along the prompt put each query's largest scores in its last key
     chunk: the sums of the earlier chunks are rescaled to it, not overflowed or lost."""
     args, scale = _case(torch.bfloat16, 9, 3, 64, [1500], [0])
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
