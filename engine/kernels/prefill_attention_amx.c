@@ -236,6 +236,15 @@ static __m512 probabilities(const Chunk *c, const Scratch *w, __m512 factor, __m
     for (int64_t j = j0; j < j1; j += 2) {
         if (next && j % KEYS == 0 && issued < next->s1)
             key_scores(a, next, next_w->scores, issued++);
+        // Into L1 ahead of the tiles: the keys of the next chunk's step still to be issued,
+        // and this chunk's V^T (4 lines of each every two rows).
+        const int64_t pair = (j - j0) / 2;
+        if (next && issued < next->s1) {
+            const char *k = (const char *)(next->it.keys_h + issued * KEYS * a->D);
+            for (int l = 0; l < 4; l++) _mm_prefetch(k + ((pair % 16) * 4 + l) * 64, _MM_HINT_T0);
+        }
+        const char *vt = (const char *)(c->it.values_h + c->s0 * KEYS * a->D);
+        for (int l = 0; l < 4; l++) _mm_prefetch(vt + (pair * 4 + l) * 64, _MM_HINT_T0);
         const float *rows = w->scores + (j - j0) * 16;
         __m512 p[2];
         for (int e = 0; e < 2; e++) {
