@@ -156,14 +156,15 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
 
 
 @_needs_amx_prefill
-def test_amx_prefill_rescales_when_a_later_chunk_holds_the_maximum(monkeypatch):
+@pytest.mark.parametrize("q_scale", [2.0, 100.0])  # 100: scores hundreds apart
+def test_amx_prefill_rescales_when_a_later_chunk_holds_the_maximum(q_scale, monkeypatch):
     """Keys that grow along the prompt put each query's largest scores in its last key
     chunk: the sums of the earlier chunks are rescaled to it, not overflowed or lost."""
     args, scale = _case(torch.bfloat16, 9, 3, 64, [1500], [0])
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     growth = torch.linspace(0.2, 3.0, 1500)[:, None, None]
     args[1] = k = (k.float() * growth).to(torch.bfloat16)
-    args[0] = q = (q.float() * 2).to(torch.bfloat16)
+    args[0] = q = (q.float() * q_scale).to(torch.bfloat16)
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
