@@ -217,9 +217,16 @@ def prefill_attention_cpu(
             x = x.float() * scale.index_select(0, seq.pages)[:, None, :, None]
         return x.to(q.dtype).reshape(-1, num_kv_heads, head_dim)[: seq.prefix]
 
-    native = _native_prefill(q, k, v, k_cache, v_cache)
+    native = _native_prefill(q, k, v)
+    # The C kernels read a cached prefix's pages in place, as bf16; a sequence without one
+    # never reads the cache, whatever its dtype (an fp8 cache's new tokens arrive as k, v).
+    reads_cache = all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (k_cache, v_cache))
     for seq in plan:
-        if native and _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out):
+        if (
+            native
+            and (reads_cache or not seq.prefix)
+            and _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out)
+        ):
             continue
         keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
         if seq.prefix:
@@ -230,16 +237,15 @@ def prefill_attention_cpu(
     return out
 
 
-def _native_prefill(q, k, v, k_cache, v_cache) -> bool:
-    """Whether prefill_attention_cpu.c takes this batch: bf16 throughout (its dot products
-    are the CPU's bf16 instructions), a head_dim of 32s, heads D apart in every row."""
+def _native_prefill(q, k, v) -> bool:
+    """Whether a C prefill kernel takes this batch's new tokens: bf16 (its products are the
+    CPU's bf16 instructions), a head_dim it takes, heads D apart in every row, and measured
+    faster than SDPA here."""
     head_dim = q.shape[2]
     return (
         _native_prefill_builds(head_dim)
-        and all(t.dtype == torch.bfloat16 for t in (q, k, v, k_cache, v_cache))
+        and all(t.dtype == torch.bfloat16 for t in (q, k, v))
         and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
         and native_prefill_wins(q.shape[1], k.shape[1], head_dim, torch.get_num_threads())
     )
 

@@ -155,6 +155,26 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_bf16_prefill
+def test_an_fp8_cache_keeps_the_c_kernel_for_prompts_without_a_cached_prefix(monkeypatch):
+    """The C kernels read a prefix's pages as bf16; a prompt with no prefix reads no page, so
+    an fp8 cache sends only the prompts with one to SDPA."""
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [70, 30, 5], [0, 40, 0], fp8=True)
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    calls = []
+    real = cpu_attention._prefill_attention_native
+    monkeypatch.setattr(
+        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[5].prefix) or real(*a)
+    )
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
+    out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    assert calls == [0, 0]  # the two prompts without a prefix; the other through SDPA
+    expected = prefill_attention_reference(*args, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 @_needs_amx_prefill
 @pytest.mark.parametrize("q_scale", [2.0, 100.0])  # 100: scores hundreds apart
 def test_amx_prefill_rescales_when_a_later_chunk_holds_the_maximum(q_scale, monkeypatch):
