@@ -8,14 +8,15 @@
 // sums are lane-wise (no horizontal reductions), and two keys' probabilities, interleaved,
 // are one row of the B operand of the next product as they stand.
 //
-// No online softmax: a work item (16 queries of one head) keeps all its scores (64 bytes a
-// key, in L2), so it finds the exact row maxima first and O^T never needs rescaling (its
-// sums stay in tile registers across all the keys). The tiles and the vector units are
-// separate: the next item's S^T is issued on the tiles between the rows of this item's
-// softmax, which then costs the tiles nothing.
+// Work goes out in groups of 16 queries of one KV head's query heads, keys in chunks of
+// 128: the exact maximum within a chunk, an online softmax across chunks (O^T is rescaled
+// in memory, where it waits between chunks anyway). The group's query heads take each
+// chunk in turn, so its keys and V^T come from L2 once and from L1 after (prefetched
+// during the softmax). The next chunk's S^T is issued on the tiles between this one's
+// softmax rows; measured, that costs the same as issuing it alone, not less.
 //
 // Precision as torch's CPU flash kernel for bf16 (and prefill_attention_cpu.c): q.k exact
-// and summed in fp32, softmax in fp32 (against the exact row maximum here), probabilities
+// and summed in fp32, softmax in fp32 (online across chunks, as torch's), probabilities
 // rounded to bf16 for the product with V, summed in fp32, one rounding at the end.
 //
 //   q      [n, Hq, D] bf16, rows q_stride elements apart (heads D apart)
@@ -36,7 +37,7 @@
 #define QUERIES 16  // queries per work item: the tiles' 16 columns
 #define KEYS 32     // keys per step: the K of the product with V (32 bf16 a tile row)
 
-// Every tile is 16 rows of 64 bytes; attend says what each holds when.
+// Every tile is 16 rows of 64 bytes (what each holds when: see "Tile use" below).
 static void configure(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -129,11 +130,9 @@ static Item item_at(const Attention *a, int64_t index, int64_t g) {
     return it;
 }
 
-// Keys are taken in chunks: an online softmax across chunks (rescaling O^T, which is in
-// memory between chunks anyway), the exact maximum within each. A chunk's keys and values
-// (2 x 16 KiB) are read from L2 for the group's first query head and from L1 for the
-// others, and a thread's scores stay in L1 whatever the length.
-#define CHUNK_STEPS 4  // 128 keys
+// Steps per chunk: 128 keys, whose K and V^T (2 x 16 KiB for head_dim 64) stay in L1 for
+// the group's query heads, and a thread's scores with them whatever the prompt's length.
+#define CHUNK_STEPS 4
 
 // A chunk's working memory: its S^T and P^T. A thread has two: the chunk in its softmax
 // and the next one on the tiles.
@@ -162,9 +161,9 @@ static void gather_queries(const Attention *a, const Item *it, uint16_t *q_t) {
                                                        query_rows, q0 + 2 * i, 4));
 }
 
-// Tile use (each 16 rows x 64 bytes): 4-5 = Q^T of the item on the tiles, 0-1 = K rows
-// (A), 2-3 and 6-7 = S^T of a step in turn; then, for the product with V, 4-7 = O^T (16
-// dims each), 0-1 = V^T rows (A), 2-3 = P^T (B).
+// Tile use (each 16 rows x 64 bytes): 4-5 = Q^T of the query head whose S^T is on the
+// tiles, 0-1 = K rows (A), 2-3 and 6-7 = S^T of a step in turn; then, for the product with
+// V, 4-7 = O^T (16 dims each), 0-1 = V^T rows (A), 2-3 = P^T (B).
 static void load_queries(const Attention *a, const uint16_t *q_t) {
     _tile_loadd(4, q_t, 64);
     if (a->D == 64) _tile_loadd(5, q_t + 512, 64);
