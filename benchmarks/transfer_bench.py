@@ -13,6 +13,9 @@ at once (no model runs), so the numbers are the transport's own ceiling. Modes:
 
 Reported: payload GB/s (bytes on the wire), effective KV GB/s (bytes those tokens occupy in a
 bf16 cache, delivered per second), and the raw-socket GB/s for the passthrough byte count.
+Each receiver (the KV server, the raw socket's reader, NIXL's) runs in a process of its own,
+as a decode worker does: in one process the two sides would share one GIL, which no
+deployment does.
 The gRPC transport runs as the workers run it by default: the kv frames of a transfer of
 at least ``kv.data_channel_min_bytes`` over its raw TCP data channel, smaller ones over the
 gRPC stream (hand-serialised frames); ``--no-data-channel`` sends every frame over the gRPC
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -85,20 +90,12 @@ def _source(model: ModelConfig, blocks: int, block_size: int, dtype: torch.dtype
     return k, v, scales, scales.clone()
 
 
-def measure_grpc(
-    model: ModelConfig,
-    tokens: int,
-    mode: str,
-    *,
-    block_size: int,
-    repeats: int,
-    max_frame_bytes: int,
-    frames_in_flight: int,
-    data_channel: bool = KV_DEFAULTS.data_channel,
-) -> dict:
-    """Best of ``repeats`` transfers of ``tokens`` tokens in ``mode``, into a fresh cache."""
-    blocks = -(-tokens // block_size)
-    cache_dtype = FP8 if mode == "fp8" else torch.bfloat16
+def _grpc_receiver_main(conn, model, blocks, block_size, fp8_cache, data_channel) -> None:
+    """The decode side, in a process of its own: a cache of ``blocks``, leases and a KV
+    receiver server; reserves a lease per (request_id, tokens) the parent sends, frees it
+    when the parent says the transfer is done; None ends it."""
+    torch.set_num_threads(1)
+    cache_dtype = FP8 if fp8_cache else torch.bfloat16
     cache = PagedKVCache(model, blocks, block_size, cache_dtype, torch.device("cpu"))
     lock = threading.RLock()
     leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
@@ -106,44 +103,101 @@ def measure_grpc(
         cache, leases, model.fingerprint(), token=TOKEN, data_channel=data_channel
     )
     server.start()
+    conn.send(server.address)
+    try:
+        while (message := conn.recv()) is not None:
+            lease = leases.reserve(*message)
+            conn.send((lease.request_id, lease.lease_id))
+            conn.recv()  # the transfer is done
+            with lock:
+                leases.block_manager.free(list(lease.block_ids))
+    finally:
+        server.stop(0)
+
+
+class GrpcReceiver:
+    """A KV receiver server in a process of its own, with a cache for ``max_tokens``."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_tokens: int,
+        block_size: int,
+        fp8_cache: bool,
+        data_channel: bool,
+    ) -> None:
+        blocks = -(-max_tokens // block_size)
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_grpc_receiver_main,
+            args=(child, model, blocks, block_size, fp8_cache, data_channel),
+            daemon=True,
+        )
+        self._process.start()
+        self.address = self._conn.recv()
+
+    def lease(self, request_id: str, tokens: int) -> tuple[str, str]:
+        self._conn.send((request_id, tokens))
+        return self._conn.recv()
+
+    def done(self) -> None:
+        self._conn.send("done")
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(30)
+
+
+def measure_grpc(
+    model: ModelConfig,
+    tokens: int,
+    mode: str,
+    receiver: GrpcReceiver,
+    *,
+    block_size: int,
+    repeats: int,
+    max_frame_bytes: int,
+    frames_in_flight: int,
+    data_channel: bool = KV_DEFAULTS.data_channel,
+) -> dict:
+    """Best of ``repeats`` transfers of ``tokens`` tokens in ``mode`` into ``receiver`` (its
+    cache fp8 for the fp8 mode, bf16 otherwise)."""
+    blocks = -(-tokens // block_size)
     source_dtype = FP8 if mode == "fp8" else torch.bfloat16
     k, v, ks, vs = _source(model, blocks, block_size, source_dtype)
     scales = () if ks is None else (ks, vs)
     wire = "passthrough" if mode == "passthrough" else "fp8"
     best = None
-    try:
-        with KVSender(
-            server.address,
-            TOKEN,
-            max_frames_in_flight=frames_in_flight,
-            timeout_s=600,
-            max_frame_bytes=max_frame_bytes,
-            data_channel=data_channel,
-            data_channel_min_bytes=KV_DEFAULTS.data_channel_min_bytes,
-        ) as sender:
-            for i in range(repeats):
-                lease = leases.reserve(f"bench-{i}", tokens)
-                start = time.perf_counter()
-                stream = sender.open(
-                    lease.request_id,
-                    lease.lease_id,
-                    model.fingerprint(),
-                    block_size,
-                    tokens,
-                    model.num_layers,
-                    wire,
-                    source_dtype,
-                )
-                for layer in range(model.num_layers):
-                    stream.send_layer(layer, k, v, *scales, copy=False)
-                result = stream.finish(first_token=0)
-                seconds = time.perf_counter() - start
-                with lock:
-                    leases.block_manager.free(list(lease.block_ids))
-                if best is None or seconds < best[0]:
-                    best = (seconds, result.payload_bytes)
-    finally:
-        server.stop(0)
+    with KVSender(
+        receiver.address,
+        TOKEN,
+        max_frames_in_flight=frames_in_flight,
+        timeout_s=600,
+        max_frame_bytes=max_frame_bytes,
+        data_channel=data_channel,
+        data_channel_min_bytes=KV_DEFAULTS.data_channel_min_bytes,
+    ) as sender:
+        for i in range(repeats):
+            request_id, lease_id = receiver.lease(f"bench-{tokens}-{i}", tokens)
+            start = time.perf_counter()
+            stream = sender.open(
+                request_id,
+                lease_id,
+                model.fingerprint(),
+                block_size,
+                tokens,
+                model.num_layers,
+                wire,
+                source_dtype,
+            )
+            for layer in range(model.num_layers):
+                stream.send_layer(layer, k, v, *scales, copy=False)
+            result = stream.finish(first_token=0)
+            seconds = time.perf_counter() - start
+            receiver.done()
+            if best is None or seconds < best[0]:
+                best = (seconds, result.payload_bytes)
     seconds, payload = best
     return {
         "mode": mode,
@@ -155,40 +209,55 @@ def measure_grpc(
     }
 
 
+def _raw_receiver_main(conn) -> None:
+    """The raw socket's reader, in a process of its own: per connection, a byte count, then
+    that many bytes into a reused buffer, then a one-byte ack."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    conn.send(listener.getsockname()[1])
+    buf = memoryview(bytearray(4 * 1024 * 1024))
+    while True:
+        peer, _ = listener.accept()
+        with peer:
+            header = peer.recv(8, socket.MSG_WAITALL)
+            if len(header) < 8:
+                return  # the parent closed without a transfer: done
+            left = struct.unpack("<Q", header)[0]
+            while left > 0:
+                n = peer.recv_into(buf[: min(left, buf.nbytes)])
+                if n == 0:
+                    break
+                left -= n
+            peer.sendall(b"k")
+
+
 def measure_raw_socket(total_bytes: int, chunk_bytes: int, repeats: int) -> dict:
-    """The bound: ``total_bytes`` over one loopback TCP connection, ``sendall`` of
-    ``chunk_bytes`` pieces into ``recv_into`` a reused buffer, no framing, no copy into a cache."""
+    """The bound: ``total_bytes`` over one loopback TCP connection to a reader in another
+    process, ``sendall`` of ``chunk_bytes`` pieces into its ``recv_into`` of a reused buffer,
+    no framing, no copy into a cache; timed until the reader's ack of the last byte."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    reader = context.Process(target=_raw_receiver_main, args=(child,), daemon=True)
+    reader.start()
+    port = parent.recv()
     chunk = memoryview(bytearray(chunk_bytes))
     best = None
-    for _ in range(repeats):
-        listener = socket.create_server(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-        received = [0]
-
-        def receive(listener=listener, received=received):
-            conn, _ = listener.accept()
-            buf = memoryview(bytearray(4 * 1024 * 1024))
-            with conn:
-                while received[0] < total_bytes:
-                    n = conn.recv_into(buf)
-                    if n == 0:
-                        break
-                    received[0] += n
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            start = time.perf_counter()
-            left = total_bytes
-            while left > 0:
-                piece = chunk[: min(left, chunk_bytes)]
-                conn.sendall(piece)
-                left -= len(piece)
-            thread.join()
-            seconds = time.perf_counter() - start
-        listener.close()
-        assert received[0] == total_bytes
-        best = seconds if best is None else min(best, seconds)
+    try:
+        for _ in range(repeats):
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                start = time.perf_counter()
+                conn.sendall(struct.pack("<Q", total_bytes))
+                left = total_bytes
+                while left > 0:
+                    piece = chunk[: min(left, chunk_bytes)]
+                    conn.sendall(piece)
+                    left -= len(piece)
+                if conn.recv(1) != b"k":
+                    raise RuntimeError("the raw socket's reader did not acknowledge the bytes")
+                seconds = time.perf_counter() - start
+            best = seconds if best is None else min(best, seconds)
+    finally:
+        socket.create_connection(("127.0.0.1", port)).close()  # ends the reader
+        reader.join(30)
     return {"seconds": best, "gb_s": total_bytes / best / GB}
 
 
@@ -218,48 +287,54 @@ def run_transfer_benchmark(
             else "gRPC"
         )
     )
-    # Warm-up: gRPC channel setup, codec paths.
-    for mode in modes:
-        if mode in NIXL_MODES:
-            measure_nixl(model, 64, mode, block_size=block_size, repeats=1)
-            continue
-        measure_grpc(
-            model,
-            64,
-            mode,
-            block_size=block_size,
-            repeats=1,
-            max_frame_bytes=max_frame_bytes,
-            frames_in_flight=frames_in_flight,
-            data_channel=data_channel,
-        )
+    # One receiver process per gRPC mode for the whole run, its cache sized for the longest.
+    longest = max([64, *token_counts])
+    receivers = {
+        mode: GrpcReceiver(model, longest, block_size, mode == "fp8", data_channel)
+        for mode in modes
+        if mode not in NIXL_MODES
+    }
+    grpc_options = dict(
+        block_size=block_size,
+        max_frame_bytes=max_frame_bytes,
+        frames_in_flight=frames_in_flight,
+        data_channel=data_channel,
+    )
     rows = []
-    for tokens in token_counts:
-        blocks = -(-tokens // block_size)
-        padded = kv_bytes(model, blocks * block_size)
-        raw = measure_raw_socket(padded, max_frame_bytes, repeats)
-        row = {"tokens": tokens, "kv_mib": kv_bytes(model, tokens) / 2**20, "raw_gb_s": raw["gb_s"]}
-        if set(modes) & set(NIXL_MODES):
-            row["memcpy_gb_s"] = measure_memcpy(padded, repeats)["gb_s"]
+    try:
+        # Warm-up: gRPC channel setup, codec paths.
         for mode in modes:
             if mode in NIXL_MODES:
-                row[mode] = measure_nixl(
-                    model, tokens, mode, block_size=block_size, repeats=repeats
-                )
-                row[mode]["effective_kv_gb_s"] = kv_bytes(model, tokens) / row[mode]["seconds"] / GB
+                measure_nixl(model, 64, mode, block_size=block_size, repeats=1)
                 continue
-            row[mode] = measure_grpc(
-                model,
-                tokens,
-                mode,
-                block_size=block_size,
-                repeats=repeats,
-                max_frame_bytes=max_frame_bytes,
-                frames_in_flight=frames_in_flight,
-                data_channel=data_channel,
-            )
-        rows.append(row)
-        log(format_row(row, modes))
+            measure_grpc(model, 64, mode, receivers[mode], repeats=1, **grpc_options)
+        for tokens in token_counts:
+            blocks = -(-tokens // block_size)
+            padded = kv_bytes(model, blocks * block_size)
+            raw = measure_raw_socket(padded, max_frame_bytes, repeats)
+            row = {
+                "tokens": tokens,
+                "kv_mib": kv_bytes(model, tokens) / 2**20,
+                "raw_gb_s": raw["gb_s"],
+            }
+            if set(modes) & set(NIXL_MODES):
+                row["memcpy_gb_s"] = measure_memcpy(padded, repeats)["gb_s"]
+            for mode in modes:
+                if mode in NIXL_MODES:
+                    row[mode] = measure_nixl(
+                        model, tokens, mode, block_size=block_size, repeats=repeats
+                    )
+                    seconds = row[mode]["seconds"]
+                    row[mode]["effective_kv_gb_s"] = kv_bytes(model, tokens) / seconds / GB
+                    continue
+                row[mode] = measure_grpc(
+                    model, tokens, mode, receivers[mode], repeats=repeats, **grpc_options
+                )
+            rows.append(row)
+            log(format_row(row, modes))
+    finally:
+        for receiver in receivers.values():
+            receiver.close()
     return rows
 
 
