@@ -16,7 +16,8 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
 - Prefill: in bf16, a C kernel where it is faster than SDPA, timed once per head shape
   and thread count (``native_prefill_wins``). On a CPU with AMX and a head_dim of 32 or 64,
   ``prefill_attention_amx.c``: S^T = K Q^T and O^T = V^T P^T on the tiles, the softmax
-  with one query per lane (1.6-1.8x SDPA at 1-4k tokens here). Otherwise, with AVX-512
+  with one query per lane (1.7-2.3x SDPA at 256-4k tokens here); it reads a cached prefix
+  from bf16 or fp8 pages. Otherwise, with AVX-512
   BF16, ``prefill_attention_cpu.c`` (flash style, its dot products the CPU's bf16
   instructions): 2-3x SDPA on an AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's
   AMX products on one with it. Otherwise one SDPA call per
@@ -218,14 +219,15 @@ def prefill_attention_cpu(
         return x.to(q.dtype).reshape(-1, num_kv_heads, head_dim)[: seq.prefix]
 
     native = _native_prefill(q, k, v)
-    # The C kernels read a cached prefix's pages in place, as bf16; a sequence without one
-    # never reads the cache, whatever its dtype (an fp8 cache's new tokens arrive as k, v).
-    reads_cache = all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (k_cache, v_cache))
+    # A sequence without a cached prefix reads no page, whatever the cache's dtype (an fp8
+    # cache's new tokens arrive as bf16 k, v); one with a prefix needs a kernel that reads it.
+    reads_cache = native and _reads_pages(_prefill_kernel(head_dim), k_cache, v_cache, k_scale)
+    caches = (k_cache, v_cache, k_scale, v_scale)
     for seq in plan:
         if (
             native
             and (reads_cache or not seq.prefix)
-            and _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out)
+            and _prefill_attention_native(q, k, v, *caches, seq, softmax_scale, out)
         ):
             continue
         keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
@@ -274,7 +276,7 @@ def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, thre
     torch.set_num_threads(threads)
     try:
         native = _best_s(
-            lambda: _prefill_attention_native(q, k, v, pages, pages, whole, scale, out)
+            lambda: _prefill_attention_native(q, k, v, pages, pages, None, None, whole, scale, out)
         )
         sdpa = _best_s(lambda: _sdpa_prefill(q, k, v, whole.mask, scale))
     finally:
@@ -299,17 +301,40 @@ def _native_prefill_builds(head_dim: int) -> bool:
     return _prefill_kernel(head_dim) is not None
 
 
-def _prefill_kernel(head_dim: int):
+@dataclass(frozen=True)
+class PrefillKernel:
+    """A C prefill kernel: ``amx`` (prefill_attention_amx.c, which also reads fp8 pages) or
+    ``avx512_bf16`` (prefill_attention_cpu.c, bf16 pages only), and its entry point."""
+
+    name: str
+    entry: object  # the ctypes function
+
+    @property
+    def reads_fp8_pages(self) -> bool:
+        return self.name == "amx"
+
+
+def _prefill_kernel(head_dim: int) -> PrefillKernel | None:
     """The C prefill kernel for this head_dim: the AMX one where the CPU has AMX and it takes
     the head_dim, else the AVX-512 BF16 one where that was built; None where neither."""
     lib = cpu_native.library()
     if lib is None:
         return None
     if head_dim in (32, 64) and lib.prefill_attention_amx_available():
-        return lib.prefill_attention_amx_bf16
+        return PrefillKernel("amx", lib.prefill_attention_amx_bf16)
     if lib.prefill_attention_bf16_available() and head_dim % 32 == 0:
-        return lib.prefill_attention_bf16
+        return PrefillKernel("avx512_bf16", lib.prefill_attention_bf16)
     return None
+
+
+def _reads_pages(kernel: PrefillKernel | None, k_cache, v_cache, k_scale) -> bool:
+    """Whether ``kernel`` reads a cached prefix in place from these pages: contiguous, bf16,
+    or fp8 with their scales where the kernel widens fp8."""
+    if kernel is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if k_cache.dtype == torch.bfloat16:
+        return True
+    return k_cache.dtype == FP8_DTYPE and k_scale is not None and kernel.reads_fp8_pages
 
 
 def _best_s(run, repeats: int = 3) -> float:
@@ -336,7 +361,9 @@ def _sdpa_prefill(q, k, v, mask, softmax_scale) -> torch.Tensor:
     )
 
 
-def _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out) -> bool:
+def _prefill_attention_native(
+    q, k, v, k_cache, v_cache, k_scale, v_scale, seq, softmax_scale, out
+) -> bool:
     """One sequence through the C kernel into out's rows; False (nothing written) where it
     declined, so the caller runs SDPA."""
     num_q_heads, head_dim = q.shape[1:]
@@ -344,14 +371,20 @@ def _prefill_attention_native(q, k, v, k_cache, v_cache, seq, softmax_scale, out
     table = seq.table
     if table is not None and table.numel() and int(table.max()) >= num_blocks:
         raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
+    kernel = _prefill_kernel(head_dim)
     q_rows, k_rows, v_rows = q[seq.start :], k[seq.start :], v[seq.start :]
-    status = _prefill_kernel(head_dim)(
+    args = [
         q_rows.data_ptr(), q.stride(0), k_rows.data_ptr(), k.stride(0),
         v_rows.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         table.data_ptr() if table is not None else None, block_size,
         seq.end - seq.start, seq.prefix, num_q_heads, num_kv_heads, head_dim, softmax_scale,
         out[seq.start :].data_ptr(), out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+    ]  # fmt: skip
+    if kernel.reads_fp8_pages:
+        fp8 = k_cache.dtype == FP8_DTYPE
+        scales = [s.float().contiguous() if fp8 else None for s in (k_scale, v_scale)]
+        args += [*(s.data_ptr() if s is not None else None for s in scales), int(fp8)]
+    status = kernel.entry(*args)
     if status == -1:
         raise MemoryError("prefill attention could not allocate its scratch memory")
     return status == 0

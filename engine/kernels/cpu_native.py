@@ -124,7 +124,9 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.prefill_attention_bf16.restype = i32
     lib.prefill_attention_bf16_available.argtypes = []
     lib.prefill_attention_bf16_available.restype = i32
-    lib.prefill_attention_amx_bf16.argtypes = lib.prefill_attention_bf16.argtypes
+    lib.prefill_attention_amx_bf16.argtypes = [
+        *lib.prefill_attention_bf16.argtypes, ptr, ptr, i32,  # fp8 caches' scales, fp8 or not
+    ]  # fmt: skip
     lib.prefill_attention_amx_bf16.restype = i32
     lib.prefill_attention_amx_available.argtypes = []
     lib.prefill_attention_amx_available.restype = i32

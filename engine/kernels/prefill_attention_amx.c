@@ -21,7 +21,9 @@
 //
 //   q      [n, Hq, D] bf16, rows q_stride elements apart (heads D apart)
 //   k, v   [n, Hkv, D] bf16, the new tokens' keys and values, rows k_stride / v_stride apart
-//   caches [N, bs, Hkv, D] bf16 contiguous, read for the prefix through table[]
+//   caches [N, bs, Hkv, D] contiguous, read for the prefix through table[]: bf16, or fp8
+//          e4m3 (cache_fp8) with scales [N, Hkv], each value widened as the torch path
+//          does (fp32 value times its block's scale, rounded to bf16)
 //   out    [n, Hq, D] bf16, rows out_stride apart
 
 #include <stdlib.h>
@@ -77,28 +79,54 @@ typedef struct {
     int64_t steps;
 } Attention;
 
+// Where a prompt's cached prefix is: pages through the block table, bf16 or fp8 e4m3 with a
+// scale per block and KV head.
+typedef struct {
+    const void *k, *v;
+    const float *k_scale, *v_scale;  // fp8 only
+    const int32_t *table;
+    int64_t block_size;
+    int fp8;
+} Prefix;
+
+// Row `at` of the cache (block * bs + row) for KV head h, as D bf16 values: into dst[d *
+// step] (step 1 for keys' rows, KEYS for V^T's columns).
+static inline void prefix_row(const Prefix *c, const void *cache, const float *scales,
+                              int64_t at, int64_t block, int64_t Hkv, int64_t h, int64_t D,
+                              uint16_t *dst, int64_t step) {
+    if (c->fp8) {
+        const uint8_t *row = (const uint8_t *)cache + (at * Hkv + h) * D;
+        const float scale = scales[block * Hkv + h];
+        for (int64_t d = 0; d < D; d++) dst[d * step] = float_to_bf16(from_e4m3(row[d]) * scale);
+    } else {
+        const uint16_t *row = (const uint16_t *)cache + (at * Hkv + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d * step] = row[d];
+    }
+}
+
 // One KV head's keys (rows as they are) and values (transposed per step of KEYS keys),
 // from the cache for the prefix and from k / v for the new tokens.
 static void pack_head(const Attention *a, const uint16_t *k, int64_t k_stride,
-                      const uint16_t *v, int64_t v_stride, const uint16_t *k_cache,
-                      const uint16_t *v_cache, const int32_t *table, int64_t block_size,
-                      int64_t h, uint16_t *keys, uint16_t *values_t) {
+                      const uint16_t *v, int64_t v_stride, const Prefix *prefix, int64_t h,
+                      uint16_t *keys, uint16_t *values_t) {
     const int64_t D = a->D, padded = a->steps * KEYS;
     uint16_t *kh = keys + h * padded * D, *vh = values_t + h * padded * D;
     for (int64_t j = 0; j < padded; j++) {
-        const uint16_t *kr = NULL, *vr = NULL;
+        uint16_t *kt = kh + j * D, *vt = vh + (j / KEYS) * D * KEYS + j % KEYS;
         if (j < a->prefix) {
-            const int64_t at = (int64_t)table[j / block_size] * block_size + j % block_size;
-            kr = k_cache + (at * a->Hkv + h) * D;
-            vr = v_cache + (at * a->Hkv + h) * D;
+            const int64_t block = prefix->table[j / prefix->block_size];
+            const int64_t at = block * prefix->block_size + j % prefix->block_size;
+            prefix_row(prefix, prefix->k, prefix->k_scale, at, block, a->Hkv, h, D, kt, 1);
+            prefix_row(prefix, prefix->v, prefix->v_scale, at, block, a->Hkv, h, D, vt, KEYS);
         } else if (j < a->S) {
-            kr = k + (j - a->prefix) * k_stride + h * D;
-            vr = v + (j - a->prefix) * v_stride + h * D;
+            const uint16_t *kr = k + (j - a->prefix) * k_stride + h * D;
+            const uint16_t *vr = v + (j - a->prefix) * v_stride + h * D;
+            memcpy(kt, kr, sizeof(uint16_t) * D);
+            for (int64_t d = 0; d < D; d++) vt[d * KEYS] = vr[d];
+        } else {
+            memset(kt, 0, sizeof(uint16_t) * D);
+            for (int64_t d = 0; d < D; d++) vt[d * KEYS] = 0;
         }
-        if (kr) memcpy(kh + j * D, kr, sizeof(uint16_t) * D);
-        else memset(kh + j * D, 0, sizeof(uint16_t) * D);
-        uint16_t *vt = vh + (j / KEYS) * D * KEYS + j % KEYS;
-        for (int64_t d = 0; d < D; d++) vt[d * KEYS] = vr ? vr[d] : 0;
     }
 }
 
@@ -423,10 +451,11 @@ int prefill_attention_amx_available(void) {
 // Returns 0; -1 without AMX or scratch memory; -2 for a D it does not take (32 and 64).
 int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                                int64_t k_stride, const uint16_t *v, int64_t v_stride,
-                               const uint16_t *k_cache, const uint16_t *v_cache,
+                               const void *k_cache, const void *v_cache,
                                const int32_t *table, int64_t block_size, int64_t n,
                                int64_t prefix, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                               uint16_t *out, int64_t out_stride, int threads) {
+                               uint16_t *out, int64_t out_stride, int threads,
+                               const float *k_scale, const float *v_scale, int cache_fp8) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (D != 32 && D != 64) return -2;
     if (!amx_gemm_available()) return -1;
@@ -434,6 +463,7 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
     const size_t per_head = (size_t)steps * KEYS * D;
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * 2 * Hkv * per_head);
     if (packed == NULL) return -1;
+    const Prefix cached = {k_cache, v_cache, k_scale, v_scale, table, block_size, cache_fp8};
     Attention a = {q, q_stride, n, prefix, S, Hq, Hkv, D, scale, out, out_stride,
                    packed, packed + Hkv * per_head, steps};
     int failed = 0;
@@ -442,8 +472,7 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
     {
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < Hkv; h++)
-            pack_head(&a, k, k_stride, v, v_stride, k_cache, v_cache, table, block_size, h,
-                      packed, packed + Hkv * per_head);
+            pack_head(&a, k, k_stride, v, v_stride, &cached, h, packed, packed + Hkv * per_head);
         Scratch w[2];
         const size_t keys = CHUNK_STEPS * KEYS, G = (size_t)(Hq / Hkv);
         for (int i = 0; i < 2; i++) {
@@ -486,7 +515,8 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
 #else
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)k_cache;
     (void)v_cache, (void)table, (void)block_size, (void)n, (void)prefix, (void)Hq, (void)Hkv;
-    (void)D, (void)scale, (void)out, (void)out_stride, (void)threads;
+    (void)D, (void)scale, (void)out, (void)out_stride, (void)threads, (void)k_scale;
+    (void)v_scale, (void)cache_fp8;
     return -1;
 #endif
 }

@@ -129,7 +129,12 @@ def _only_kernel(monkeypatch, kernel: str):
         monkeypatch.setattr(
             cpu_attention,
             "_prefill_kernel",
-            lambda d: cpu_native.library() and cpu_native.library().prefill_attention_bf16,
+            lambda d: (
+                cpu_native.library()
+                and cpu_attention.PrefillKernel(
+                    "avx512_bf16", cpu_native.library().prefill_attention_bf16
+                )
+            ),
         )
 
 
@@ -156,23 +161,31 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
 
 
 @needs_bf16_prefill
-def test_an_fp8_cache_keeps_the_c_kernel_for_prompts_without_a_cached_prefix(monkeypatch):
-    """The C kernels read a prefix's pages as bf16; a prompt with no prefix reads no page, so
-    an fp8 cache sends only the prompts with one to SDPA."""
-    args, scale = _case(torch.bfloat16, 9, 3, 64, [70, 30, 5], [0, 40, 0], fp8=True)
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS)
+def test_an_fp8_cache_is_read_by_the_amx_kernel_and_skipped_by_the_other(kernel, monkeypatch):
+    """A prompt with no cached prefix reads no page, so an fp8 cache keeps it on either C
+    kernel; the AMX kernel also widens fp8 prefix pages (value times its block's scale,
+    rounded to bf16, as the torch path), where the AVX-512 BF16 kernel leaves them to SDPA."""
+    _only_kernel(monkeypatch, kernel)
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [70, 30, 5, 200], [0, 40, 0, 300], fp8=True)
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
     calls = []
     real = cpu_attention._prefill_attention_native
     monkeypatch.setattr(
-        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[5].prefix) or real(*a)
+        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[7].prefix) or real(*a)
     )
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
-    assert calls == [0, 0]  # the two prompts without a prefix; the other through SDPA
+    assert calls == ([0, 40, 0, 300] if kernel == "amx" else [0, 0])
     expected = prefill_attention_reference(*args, scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    if kernel == "amx":  # the same widening as SDPA's path: the same maximum error
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+        sdpa = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+        err, sdpa_err = ((x.float() - expected.float()).abs().max() for x in (out, sdpa))
+        assert err <= sdpa_err * 1.5
 
 
 @_needs_amx_prefill
