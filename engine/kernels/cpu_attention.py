@@ -17,13 +17,13 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   and thread count (``native_prefill_wins``). On a CPU with AMX and a head_dim of 32 or 64,
   ``prefill_attention_amx.c``: S^T = K Q^T and O^T = V^T P^T on the tiles, the softmax
   with one query per lane (1.7-2.3x SDPA at 256-4k tokens here); it reads a cached prefix
-  from bf16 or fp8 pages. Otherwise, with AVX-512
-  BF16, ``prefill_attention_cpu.c`` (flash style, its dot products the CPU's bf16
-  instructions): 2-3x SDPA on an AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's
-  AMX products on one with it. Otherwise one SDPA call per
-  sequence, never an ``[S, S]`` score tensor: a prompt with no cached prefix takes the
-  causal flash kernel, which skips fully masked key blocks; a prompt chunk after a prefix
-  gets its keys from the pages plus its own, with a bottom-right causal mask.
+  from bf16 or fp8 pages. Otherwise, with AVX-512 BF16, ``prefill_attention_cpu.c`` (flash
+  style, its dot products the CPU's bf16 instructions; bf16 pages only): 2-3x SDPA on an
+  AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's AMX products on one with it.
+  Otherwise one SDPA call per sequence, never an ``[S, S]`` score tensor: a prompt with no
+  cached prefix takes the causal flash kernel, which skips fully masked key blocks; a
+  prompt chunk after a prefix gets its keys from the pages plus its own, with a
+  bottom-right causal mask.
   fp32 (the exactness tests' dtype) always takes SDPA.
 """
 
