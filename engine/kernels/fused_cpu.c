@@ -38,11 +38,10 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
     else ((uint16_t *)p)[i] = float_to_bf16(x);
 }
 
-
 // SiLU's e^x: x clamped to [-104, 89] (below, e^x rounds to 0 in fp32; above, to inf),
 // x = n ln2 + f by Cody-Waite in fused multiply-adds, e^f = 1 + f P(f) with P of degree 5
-// (within 7.4e-8 on |f| <= ln2 / 2, fitted here on Chebyshev nodes), and 2^n exactly. A
-// third of the operations of exp_reduced's form without fused multiply-adds, and as close.
+// (within 7.4e-8 on |f| <= ln2 / 2, fitted here on Chebyshev nodes), and 2^n exactly. Half
+// the operations of exp_reduced's form without fused multiply-adds, and as close.
 #define EXP_LOW -104.0f
 #define EXP_HIGH 89.0f
 #define EXP_LOG2E 1.44269504088896341f
@@ -55,9 +54,10 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
 #define EXP_C6 0.001385929062962532f
 
 // Where the CPU has AVX-512 BF16, the bf16 loops below run 16 lanes at a time in
-// intrinsics: the scalar loops' operations in their order (no fused multiply-adds) and
-// float_to_bf16's rounding, so the same bits on every CPU (tests hold the vector lanes to
-// the scalar tail). The compiler's own vectorisation of the scalar loops was 1.6-4x slower.
+// intrinsics: the scalar loops' operations in their order (fused multiply-adds exactly where
+// the scalar loops call fmaf, in SiLU's exp) and float_to_bf16's rounding, so the same bits
+// on every CPU (tests hold the vector lanes to the scalar tail). The compiler's own
+// vectorisation of the scalar loops was 1.6-4x slower.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 

@@ -490,7 +490,6 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp barrier
         if (ready) {
             configure();
             int thread = 0, count = 1;
