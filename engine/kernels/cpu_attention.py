@@ -218,16 +218,16 @@ def prefill_attention_cpu(
             x = x.float() * scale.index_select(0, seq.pages)[:, None, :, None]
         return x.to(q.dtype).reshape(-1, num_kv_heads, head_dim)[: seq.prefix]
 
-    native = _native_prefill(q, k, v)
+    kernel = _native_prefill(q, k, v)
     # A sequence without a cached prefix reads no page, whatever the cache's dtype (an fp8
     # cache's new tokens arrive as bf16 k, v); one with a prefix needs a kernel that reads it.
-    reads_cache = native and _reads_pages(_prefill_kernel(head_dim), k_cache, v_cache, k_scale)
+    reads_cache = _reads_pages(kernel, k_cache, v_cache, k_scale)
     caches = (k_cache, v_cache, k_scale, v_scale)
     for seq in plan:
         if (
-            native
+            kernel is not None
             and (reads_cache or not seq.prefix)
-            and _prefill_attention_native(q, k, v, *caches, seq, softmax_scale, out)
+            and _prefill_attention_native(kernel, q, k, v, *caches, seq, softmax_scale, out)
         ):
             continue
         keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
@@ -239,17 +239,19 @@ def prefill_attention_cpu(
     return out
 
 
-def _native_prefill(q, k, v) -> bool:
-    """Whether a C prefill kernel takes this batch's new tokens: bf16 (its products are the
-    CPU's bf16 instructions), a head_dim it takes, heads D apart in every row, and measured
-    faster than SDPA here."""
+def _native_prefill(q, k, v) -> PrefillKernel | None:
+    """The C prefill kernel that takes this batch's new tokens, or None: bf16 (its products
+    are the CPU's bf16 instructions), a head_dim it takes, heads D apart in every row, and
+    measured faster than SDPA here."""
     head_dim = q.shape[2]
-    return (
-        _native_prefill_builds(head_dim)
+    kernel = _prefill_kernel(head_dim)
+    takes = (
+        kernel is not None
         and all(t.dtype == torch.bfloat16 for t in (q, k, v))
         and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
         and native_prefill_wins(q.shape[1], k.shape[1], head_dim, torch.get_num_threads())
     )
+    return kernel if takes else None
 
 
 # The measured prompt: long enough that attention's products, not the call, set the time.
@@ -276,7 +278,9 @@ def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, thre
     torch.set_num_threads(threads)
     try:
         native = _best_s(
-            lambda: _prefill_attention_native(q, k, v, pages, pages, None, None, whole, scale, out)
+            lambda: _prefill_attention_native(
+                _prefill_kernel(head_dim), q, k, v, pages, pages, None, None, whole, scale, out
+            )
         )
         sdpa = _best_s(lambda: _sdpa_prefill(q, k, v, whole.mask, scale))
     finally:
@@ -362,16 +366,15 @@ def _sdpa_prefill(q, k, v, mask, softmax_scale) -> torch.Tensor:
 
 
 def _prefill_attention_native(
-    q, k, v, k_cache, v_cache, k_scale, v_scale, seq, softmax_scale, out
+    kernel: PrefillKernel, q, k, v, k_cache, v_cache, k_scale, v_scale, seq, softmax_scale, out
 ) -> bool:
-    """One sequence through the C kernel into out's rows; False (nothing written) where it
+    """One sequence through ``kernel`` into out's rows; False (nothing written) where it
     declined, so the caller runs SDPA."""
     num_q_heads, head_dim = q.shape[1:]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     table = seq.table
     if table is not None and table.numel() and int(table.max()) >= num_blocks:
         raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
-    kernel = _prefill_kernel(head_dim)
     q_rows, k_rows, v_rows = q[seq.start :], k[seq.start :], v[seq.start :]
     args = [
         q_rows.data_ptr(), q.stride(0), k_rows.data_ptr(), k.stride(0),

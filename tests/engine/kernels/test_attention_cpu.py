@@ -173,7 +173,7 @@ def test_an_fp8_cache_is_read_by_the_amx_kernel_and_skipped_by_the_other(kernel,
     calls = []
     real = cpu_attention._prefill_attention_native
     monkeypatch.setattr(
-        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[7].prefix) or real(*a)
+        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[8].prefix) or real(*a)
     )
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
