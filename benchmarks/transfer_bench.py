@@ -30,17 +30,20 @@ import json
 import multiprocessing
 import socket
 import struct
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.transfer_nixl_bench import NIXL_MODES, measure_memcpy, measure_nixl
-from engine.block_manager import BlockManager
+from benchmarks.transfer_nixl_bench import (
+    NIXL_MODES,
+    measure_memcpy,
+    measure_nixl,
+    receiver_cache,
+    serve_leases,
+)
 from engine.config import ModelConfig, RopeConfig
-from engine.kv_cache import PagedKVCache
-from kv_transfer import KVReceiverServer, KVSender, LeaseTable
+from kv_transfer import KVReceiverServer, KVSender
 from kv_transfer.codec import FP8
 from kv_transfer.options import KVTransferOptions
 from kv_transfer.sender import DEFAULT_MAX_FRAME_BYTES
@@ -95,22 +98,14 @@ def _grpc_receiver_main(conn, model, blocks, block_size, fp8_cache, data_channel
     receiver server; reserves a lease per (request_id, tokens) the parent sends, frees it
     when the parent says the transfer is done; None ends it."""
     torch.set_num_threads(1)
-    cache_dtype = FP8 if fp8_cache else torch.bfloat16
-    cache = PagedKVCache(model, blocks, block_size, cache_dtype, torch.device("cpu"))
-    lock = threading.RLock()
-    leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
+    cache, leases = receiver_cache(model, blocks, block_size, fp8_cache)
     server = KVReceiverServer(
         cache, leases, model.fingerprint(), token=TOKEN, data_channel=data_channel
     )
     server.start()
     conn.send(server.address)
     try:
-        while (message := conn.recv()) is not None:
-            lease = leases.reserve(*message)
-            conn.send((lease.request_id, lease.lease_id))
-            conn.recv()  # the transfer is done
-            with lock:
-                leases.block_manager.free(list(lease.block_ids))
+        serve_leases(conn, leases, lambda lease: (lease.request_id, lease.lease_id))
     finally:
         server.stop(0)
 

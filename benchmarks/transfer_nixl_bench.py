@@ -41,25 +41,40 @@ def _source_cache(model: ModelConfig, blocks: int, block_size: int, dtype) -> Pa
     return cache
 
 
+def receiver_cache(
+    model: ModelConfig, blocks: int, block_size: int, fp8: bool
+) -> tuple[PagedKVCache, LeaseTable]:
+    """A bench receiver's cache (fp8 or bf16) and the leases over its blocks."""
+    cache = PagedKVCache(
+        model, blocks, block_size, FP8 if fp8 else torch.bfloat16, torch.device("cpu")
+    )
+    lock = threading.RLock()
+    leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
+    return cache, leases
+
+
+def serve_leases(conn, leases: LeaseTable, answer) -> None:
+    """A receiver process's loop: for each (request_id, tokens) the parent sends, reserve a
+    lease and send back ``answer(lease)``; free its blocks when the parent says the transfer
+    is done; None ends it."""
+    while (message := conn.recv()) is not None:
+        lease = leases.reserve(*message)
+        conn.send(answer(lease))
+        conn.recv()  # the transfer is done
+        with leases.engine_lock:
+            leases.block_manager.free(list(lease.block_ids))
+
+
 def _receiver_main(conn, model: ModelConfig, blocks: int, block_size: int, fp8: bool) -> None:
     """The decode side, in a process of its own as in a cluster: a cache, leases and a NIXL
     receive side; reserves a lease per request the parent asks for, frees it after."""
     torch.set_num_threads(1)
-    dtype = FP8 if fp8 else torch.bfloat16
     options = KVTransferOptions(transport="nixl", token=TOKEN, lease_timeout_s=600)
-    cache = PagedKVCache(model, blocks, block_size, dtype, torch.device("cpu"))
-    lock = threading.RLock()
-    leases = LeaseTable(BlockManager(blocks, block_size, False), lock, default_timeout_s=600)
+    cache, leases = receiver_cache(model, blocks, block_size, fp8)
     recv = transport("nixl").recv_side(model.fingerprint(), options)
     recv.start(cache, leases)
     try:
-        while (message := conn.recv()) is not None:
-            request_id, tokens = message
-            lease = leases.reserve(request_id, tokens)
-            conn.send(recv.handle_for(lease))
-            conn.recv()  # the transfer is done
-            with lock:
-                leases.block_manager.free(list(lease.block_ids))
+        serve_leases(conn, leases, recv.handle_for)
     finally:
         recv.stop()
 
