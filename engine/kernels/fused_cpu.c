@@ -12,6 +12,8 @@
 
 #include "cpu_native.h"
 
+#include <pthread.h>
+
 #define LANES 16
 // Elements from which a call's rows are shared among `threads` OpenMP threads (the caller
 // passes torch's intra-op count; see attention_cpu.c on why never OpenMP's default): below
@@ -54,10 +56,10 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
 #define EXP_C6 0.001385929062962532f
 
 // Where the CPU has AVX-512 BF16, the bf16 loops below run 16 lanes at a time in
-// intrinsics: the scalar loops' operations in their order (fused multiply-adds exactly where
-// the scalar loops call fmaf, in SiLU's exp) and float_to_bf16's rounding, so the same bits
-// on every CPU (tests hold the vector lanes to the scalar tail). The compiler's own
-// vectorisation of the scalar loops was 1.6-4x slower.
+// intrinsics: the scalar loops' operations in their order and float_to_bf16's rounding (or,
+// for SiLU, a table the scalar formula filled), so the same bits on every CPU (tests hold
+// the vector lanes to the scalar tail). The compiler's own vectorisation of the scalar loops
+// was 1.6-4x slower.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -78,25 +80,6 @@ static inline __m256i to16_bf16(__m512 x) {  // float_to_bf16
 
 static inline __m512 round16_bf16(__m512 x) {  // round_to(x, bf16)
     return _mm512_castsi512_ps(rounded16_bf16(x));
-}
-
-// exp_any on 16 lanes, the same operations in the same order (the same fused
-// multiply-adds), so the same values; scalef is ldexpf's exact 2^n.
-static inline __m512 exp16_any(__m512 x) {
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)),
-                                   _mm512_set1_ps(EXP_HIGH));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), c);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), f);
-    __m512 p = _mm512_set1_ps(EXP_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 // rope_head's bf16 body where the half head is whole vectors; 0 where it is not.
@@ -276,15 +259,28 @@ static inline float exp_any(float x) {
     return ldexpf(p, (int)n);
 }
 
+// SiLU of a bf16 gate rounded to bf16, by the gate's bits: a value depends on the gate alone,
+// so 65,536 of them, computed once by silu_mul_row's scalar formula, replace an exp and a
+// division per lane. Two entries of padding: a lane's gather reads 4 bytes.
+static uint16_t silu_bf16_table[65536 + 2];
+static pthread_once_t silu_bf16_table_once = PTHREAD_ONCE_INIT;
+
+static void fill_silu_bf16_table(void) {
+    for (uint32_t bits = 0; bits < 65536; bits++) {
+        const float g = bf16_to_float((uint16_t)bits);
+        silu_bf16_table[bits] = float_to_bf16(g / (1.0f + exp_any(-g)));
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // silu_mul_row's bf16 lanes, 16 at a time; returns how many columns it did.
 static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int64_t I,
                                    uint16_t *out) {
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
-        const __m512 g = load16_bf16(gate + i);
-        const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = round16_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
+        const __m512i entries = _mm512_i32gather_epi32(bits, (const void *)silu_bf16_table, 2);
+        const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(entries, 16));
         const __m256i prod = to16_bf16(_mm512_mul_ps(silu, load16_bf16(up + i)));
         _mm256_storeu_si256((__m256i *)(out + i), prod);
     }
@@ -316,6 +312,7 @@ void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, in
                    void *out, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
+    if (dtype == 2) pthread_once(&silu_bf16_table_once, fill_silu_bf16_table);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * I >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)gate_up + t * stride * size;

@@ -154,6 +154,19 @@ def test_silu_mul_gives_the_same_bits_in_vector_lanes_and_the_scalar_tail():
     assert got[0, 5] == 0x7FC0
 
 
+def test_silu_mul_gives_the_same_bits_for_every_bf16_gate_in_lanes_and_scalar_loop():
+    # Every bf16 bit pattern as a gate, times up = 1 (exact): in rows of 16 they run in the
+    # vector lanes (a table where the CPU has AVX-512 BF16), in rows of 1 the scalar loop.
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.ones_like(gate)
+    lanes = silu_mul_native(torch.stack([gate, up]).view(2, -1, 16).transpose(0, 1).flatten(1))
+    scalar = silu_mul_native(torch.stack([gate, up], dim=1))
+    assert torch.equal(lanes.flatten().view(torch.int16), scalar.flatten().view(torch.int16))
+    finite = gate.isfinite()
+    want = silu_mul_reference(torch.stack([gate, up], dim=1)).flatten()
+    torch.testing.assert_close(scalar.flatten()[finite].float(), want[finite].float())
+
+
 def test_silu_mul_keeps_fp32_on_torch():
     assert silu_mul_native(torch.randn(3, 8)) is None
 
