@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.cpu_attention import DecodePlan, PrefillSequence, decode_plan, prefill_plan
+from engine.kernels.cpu_attention import DecodePlan, PrefillPlan, decode_plan, prefill_plan
 from engine.kernels.kv_store import block_runs_from_slots
 
 
@@ -32,7 +32,7 @@ class PrefillMetadata:
     prefix_lens: torch.Tensor  # [B] int32 tokens already cached before the new ones
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_new_len: int
-    cpu: list[PrefillSequence] | None = None
+    cpu: PrefillPlan | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   and thread count (``native_prefill_wins``). On a CPU with AMX and a head_dim of 32 or 64,
   ``prefill_attention_amx.c``: S^T = K Q^T and O^T = V^T P^T on the tiles, the softmax
   with one query per lane (1.7-2.3x SDPA at 256-4k tokens here); it reads a cached prefix
-  from bf16 or fp8 pages. Otherwise, with AVX-512 BF16, ``prefill_attention_cpu.c`` (flash
+  from bf16 or fp8 pages, and takes a layer's whole batch in one call (``PrefillBatch``). Otherwise, with AVX-512 BF16, ``prefill_attention_cpu.c`` (flash
   style, its dot products the CPU's bf16 instructions; bf16 pages only): 2-3x SDPA on an
   AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's AMX products on one with it.
   Otherwise one SDPA call per sequence, never an ``[S, S]`` score tensor: a prompt with no
@@ -178,9 +178,47 @@ class PrefillSequence:
     table: torch.Tensor | None  # the pages as int32 (for the C kernel)
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Sequences that one call of the AMX kernel takes, with its per-sequence arrays."""
+
+    sequences: list[PrefillSequence]
+    starts: torch.Tensor  # [B] int64: first new token's row
+    lengths: torch.Tensor  # [B] int64: new tokens
+    prefixes: torch.Tensor  # [B] int64: cached tokens
+    tables: torch.Tensor | None  # int32: the prefixes' pages, one sequence's after another
+    table_starts: torch.Tensor  # [B] int64: where each sequence's pages start in tables
+
+    @classmethod
+    def of(cls, sequences: list[PrefillSequence]) -> PrefillBatch:
+        def int64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        tables = [seq.table for seq in sequences if seq.table is not None]
+        sizes = [0 if seq.table is None else seq.table.numel() for seq in sequences]
+        return cls(
+            sequences,
+            int64([seq.start for seq in sequences]),
+            int64([seq.end - seq.start for seq in sequences]),
+            int64([seq.prefix for seq in sequences]),
+            torch.cat(tables) if tables else None,
+            int64([sum(sizes[:b]) for b in range(len(sequences))]),
+        )
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Per step, for every layer of a prefill batch: its sequences, and as C kernel batches
+    all of them (where the kernel reads the cache's pages) or those without a prefix."""
+
+    sequences: list[PrefillSequence]
+    every: PrefillBatch
+    unprefixed: PrefillBatch
+
+
 def prefill_plan(
     cu_seqlens: list[int], prefix_lens: list[int], block_tables: torch.Tensor, block_size: int
-) -> list[PrefillSequence]:
+) -> PrefillPlan:
     sequences = []
     for b, prefix in enumerate(prefix_lens):
         start, end = cu_seqlens[b], cu_seqlens[b + 1]
@@ -194,7 +232,13 @@ def prefill_plan(
         keys = torch.arange(prefix + end - start)[None, :]
         table = pages.to(torch.int32)
         sequences.append(PrefillSequence(start, end, prefix, pages, keys <= prefix + new, table))
-    return sequences
+    every = PrefillBatch.of(sequences)
+    unprefixed = [seq for seq in sequences if not seq.prefix]
+    return PrefillPlan(
+        sequences,
+        every,
+        every if len(unprefixed) == len(sequences) else PrefillBatch.of(unprefixed),
+    )
 
 
 def prefill_attention_cpu(
@@ -205,7 +249,7 @@ def prefill_attention_cpu(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    plan: list[PrefillSequence],
+    plan: PrefillPlan,
     softmax_scale: float,
 ) -> torch.Tensor:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -221,14 +265,14 @@ def prefill_attention_cpu(
     kernel = _native_prefill(q, k, v)
     # A sequence without a cached prefix reads no page, whatever the cache's dtype (an fp8
     # cache's new tokens arrive as bf16 k, v); one with a prefix needs a kernel that reads it.
-    reads_cache = _reads_pages(kernel, k_cache, v_cache, k_scale)
-    caches = (k_cache, v_cache, k_scale, v_scale)
-    for seq in plan:
-        if (
-            kernel is not None
-            and (reads_cache or not seq.prefix)
-            and _prefill_attention_native(kernel, q, k, v, *caches, seq, softmax_scale, out)
-        ):
+    native = None
+    if kernel is not None:
+        native = plan.every if _reads_pages(kernel, k_cache, v_cache, k_scale) else plan.unprefixed
+        caches = (k_cache, v_cache, k_scale, v_scale)
+        if not _prefill_attention_native(kernel, q, k, v, *caches, native, softmax_scale, out):
+            native = None
+    for seq in plan.sequences:
+        if native is not None and (seq.prefix == 0 or native is plan.every):
             continue
         keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
         if seq.prefix:
@@ -272,6 +316,7 @@ def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, thre
     q, k, v = rows(num_q_heads), rows(num_kv_heads), rows(num_kv_heads)
     pages = torch.zeros(1, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)  # unread
     whole = PrefillSequence(0, _TIMED_TOKENS, 0, None, None, None)
+    batch = PrefillBatch.of([whole])
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     previous = torch.get_num_threads()
@@ -279,7 +324,7 @@ def native_prefill_wins(num_q_heads: int, num_kv_heads: int, head_dim: int, thre
     try:
         native = _best_s(
             lambda: _prefill_attention_native(
-                _prefill_kernel(head_dim), q, k, v, pages, pages, None, None, whole, scale, out
+                _prefill_kernel(head_dim), q, k, v, pages, pages, None, None, batch, scale, out
             )
         )
         sdpa = _best_s(lambda: _sdpa_prefill(q, k, v, whole.mask, scale))
@@ -366,28 +411,44 @@ def _sdpa_prefill(q, k, v, mask, softmax_scale) -> torch.Tensor:
 
 
 def _prefill_attention_native(
-    kernel: PrefillKernel, q, k, v, k_cache, v_cache, k_scale, v_scale, seq, softmax_scale, out
+    kernel: PrefillKernel, q, k, v, k_cache, v_cache, k_scale, v_scale, batch, softmax_scale, out
 ) -> bool:
-    """One sequence through ``kernel`` into out's rows; False (nothing written) where it
-    declined, so the caller runs SDPA."""
+    """The batch's sequences through ``kernel`` into out's rows (the AMX kernel in one call,
+    the other one sequence by sequence); False (nothing written) where it declined, so the
+    caller runs SDPA."""
+    if not batch.sequences:
+        return True
     num_q_heads, head_dim = q.shape[1:]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    table = seq.table
-    if table is not None and table.numel() and int(table.max()) >= num_blocks:
+    tables = batch.tables
+    if tables is not None and tables.numel() and int(tables.max()) >= num_blocks:
         raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
-    q_rows, k_rows, v_rows = q[seq.start :], k[seq.start :], v[seq.start :]
-    args = [
-        q_rows.data_ptr(), q.stride(0), k_rows.data_ptr(), k.stride(0),
-        v_rows.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        table.data_ptr() if table is not None else None, block_size,
-        seq.end - seq.start, seq.prefix, num_q_heads, num_kv_heads, head_dim, softmax_scale,
-        out[seq.start :].data_ptr(), out.stride(0), torch.get_num_threads(),
-    ]  # fmt: skip
+    heads = (num_q_heads, num_kv_heads, head_dim, softmax_scale)
+    threads = torch.get_num_threads()
     if kernel.reads_fp8_pages:
         fp8 = k_cache.dtype == FP8_DTYPE
         scales = [s.float().contiguous() if fp8 else None for s in (k_scale, v_scale)]
-        args += [*(s.data_ptr() if s is not None else None for s in scales), int(fp8)]
-    status = kernel.entry(*args)
+        status = kernel.entry(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(),
+            None if tables is None else tables.data_ptr(), batch.table_starts.data_ptr(),
+            block_size, len(batch.sequences), batch.starts.data_ptr(), batch.lengths.data_ptr(),
+            batch.prefixes.data_ptr(), *heads, out.data_ptr(), out.stride(0), threads,
+            *(s.data_ptr() if s is not None else None for s in scales), int(fp8),
+        )  # fmt: skip
+    else:
+        status = 0
+        for seq in batch.sequences:
+            at = seq.start
+            status = kernel.entry(
+                q[at:].data_ptr(), q.stride(0), k[at:].data_ptr(), k.stride(0),
+                v[at:].data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                seq.table.data_ptr() if seq.table is not None else None, block_size,
+                seq.end - seq.start, seq.prefix, *heads, out[at:].data_ptr(), out.stride(0),
+                threads,
+            )  # fmt: skip
+            if status:
+                break
     if status == -1:
         raise MemoryError("prefill attention could not allocate its scratch memory")
     return status == 0

@@ -125,7 +125,11 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.prefill_attention_bf16_available.argtypes = []
     lib.prefill_attention_bf16_available.restype = i32
     lib.prefill_attention_amx_bf16.argtypes = [
-        *lib.prefill_attention_bf16.argtypes, ptr, ptr, i32,  # fp8 caches' scales, fp8 or not
+        ptr, i64, ptr, i64, ptr, i64, ptr, ptr,  # q, k, v with row strides; the caches
+        ptr, ptr, i64,  # block tables, where each sequence's starts; block size
+        i64, ptr, ptr, ptr,  # sequences; their first rows, lengths, prefixes
+        i64, i64, i64, ctypes.c_float, ptr, i64, i32,
+        ptr, ptr, i32,  # fp8 caches' scales, fp8 or not
     ]  # fmt: skip
     lib.prefill_attention_amx_bf16.restype = i32
     lib.prefill_attention_amx_available.argtypes = []

@@ -1,6 +1,6 @@
-// Causal prefill attention in bf16 on AMX tiles (Sapphire Rapids and later): the same
-// contract as prefill_attention_bf16 in prefill_attention_cpu.c (one sequence's new tokens
-// over its cached prefix plus themselves), for head_dim 32 or 64.
+// Causal prefill attention in bf16 on AMX tiles (Sapphire Rapids and later): for each
+// sequence of a batch, as prefill_attention_bf16 in prefill_attention_cpu.c does for one,
+// its new tokens over its cached prefix plus themselves; head_dim 32 or 64.
 //
 // Why transposed: the softmax is what bounds attention once AMX does the products, and it
 // is cheapest with one query per lane. So the kernel computes S^T = K Q^T (keys x queries)
@@ -19,12 +19,13 @@
 // and summed in fp32, softmax in fp32 (online across chunks, as torch's), probabilities
 // rounded to bf16 for the product with V, summed in fp32, one rounding at the end.
 //
-//   q      [n, Hq, D] bf16, rows q_stride elements apart (heads D apart)
-//   k, v   [n, Hkv, D] bf16, the new tokens' keys and values, rows k_stride / v_stride apart
-//   caches [N, bs, Hkv, D] contiguous, read for the prefix through table[]: bf16, or fp8
-//          e4m3 (cache_fp8) with scales [N, Hkv], each value widened as the torch path
+//   q      [T, Hq, D] bf16, every sequence's new tokens, rows q_stride elements apart
+//          (heads D apart)
+//   k, v   [T, Hkv, D] bf16, the new tokens' keys and values, rows k_stride / v_stride apart
+//   caches [N, bs, Hkv, D] contiguous, read for a prefix through its block table: bf16, or
+//          fp8 e4m3 (cache_fp8) with scales [N, Hkv], each value widened as the torch path
 //          does (fp32 value times its block's scale, rounded to bf16)
-//   out    [n, Hq, D] bf16, rows out_stride apart
+//   out    [T, Hq, D] bf16, rows out_stride apart
 
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -448,31 +449,63 @@ int prefill_attention_amx_available(void) {
 #endif
 }
 
+// A batch of sequences in one call: sequence b's new tokens are rows starts[b] ..
+// starts[b] + lengths[b] of q, k, v and out, after prefixes[b] cached tokens whose pages are
+// tables[table_starts[b] ...]. Every sequence's keys are packed first, then the threads
+// take every sequence's groups in turn, each sequence's longest first and the first of them
+// to the next thread in turn, so one parallel region and one set of scratch serve the batch.
 // Returns 0; -1 without AMX or scratch memory; -2 for a D it does not take (32 and 64).
 int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                                int64_t k_stride, const uint16_t *v, int64_t v_stride,
-                               const void *k_cache, const void *v_cache,
-                               const int32_t *table, int64_t block_size, int64_t n,
-                               int64_t prefix, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                               uint16_t *out, int64_t out_stride, int threads,
+                               const void *k_cache, const void *v_cache, const int32_t *tables,
+                               const int64_t *table_starts, int64_t block_size, int64_t count,
+                               const int64_t *starts, const int64_t *lengths,
+                               const int64_t *prefixes, int64_t Hq, int64_t Hkv, int64_t D,
+                               float scale, uint16_t *out, int64_t out_stride, int threads,
                                const float *k_scale, const float *v_scale, int cache_fp8) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (D != 32 && D != 64) return -2;
     if (!amx_gemm_available()) return -1;
-    const int64_t S = prefix + n, steps = (S + KEYS - 1) / KEYS;
-    const size_t per_head = (size_t)steps * KEYS * D;
-    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * 2 * Hkv * per_head);
-    if (packed == NULL) return -1;
-    const Prefix cached = {k_cache, v_cache, k_scale, v_scale, table, block_size, cache_fp8};
-    Attention a = {q, q_stride, n, prefix, S, Hq, Hkv, D, scale, out, out_stride,
-                   packed, packed + Hkv * per_head, steps};
+    if (count <= 0) return 0;
+    Attention *seqs = malloc(sizeof(Attention) * count);
+    size_t *packed_at = malloc(sizeof(size_t) * (count + 1));  // each one's K, then V^T
+    if (seqs == NULL || packed_at == NULL) {
+        free(seqs);
+        free(packed_at);
+        return -1;
+    }
+    packed_at[0] = 0;
+    for (int64_t b = 0; b < count; b++) {
+        const int64_t S = prefixes[b] + lengths[b], steps = (S + KEYS - 1) / KEYS;
+        seqs[b] = (Attention){q + starts[b] * q_stride, q_stride, lengths[b], prefixes[b], S,
+                              Hq, Hkv, D, scale, out + starts[b] * out_stride, out_stride,
+                              NULL, NULL, steps};
+        packed_at[b + 1] = packed_at[b] + 2 * (size_t)Hkv * steps * KEYS * D;
+    }
+    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (packed_at[count] ? packed_at[count] : 32));
+    if (packed == NULL) {
+        free(seqs);
+        free(packed_at);
+        return -1;
+    }
+    for (int64_t b = 0; b < count; b++) {
+        seqs[b].keys = packed + packed_at[b];
+        seqs[b].values_t = packed + packed_at[b] + Hkv * seqs[b].steps * KEYS * D;
+    }
     int failed = 0;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < Hkv; h++)
-            pack_head(&a, k, k_stride, v, v_stride, &cached, h, packed, packed + Hkv * per_head);
+#pragma omp for schedule(dynamic)
+        for (int64_t bh = 0; bh < count * Hkv; bh++) {
+            const int64_t b = bh / Hkv, h = bh % Hkv;
+            const Prefix cached = {k_cache, v_cache, k_scale, v_scale,
+                                   tables ? tables + table_starts[b] : NULL, block_size,
+                                   cache_fp8};
+            pack_head(&seqs[b], k + starts[b] * k_stride, k_stride, v + starts[b] * v_stride,
+                      v_stride, &cached, h, (uint16_t *)seqs[b].keys,
+                      (uint16_t *)seqs[b].values_t);
+        }
         Scratch w[2];
         const size_t keys = CHUNK_STEPS * KEYS, G = (size_t)(Hq / Hkv);
         for (int i = 0; i < 2; i++) {
@@ -492,12 +525,13 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
         }
         if (ready) {
             configure();
-            int thread = 0, count = 1;
+            int thread = 0, team = 1;
 #ifdef _OPENMP
             thread = omp_get_thread_num();
-            count = omp_get_num_threads();
+            team = omp_get_num_threads();
 #endif
-            attend_items(&a, thread, count, w, &heads);
+            for (int64_t b = 0; b < count; b++)
+                attend_items(&seqs[b], (int)((thread + b) % team), team, w, &heads);
             _tile_release();
         }
         for (int i = 0; i < 2; i++) {
@@ -510,12 +544,14 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
         free(heads.sums);
     }
     free(packed);
+    free(packed_at);
+    free(seqs);
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)k_cache;
-    (void)v_cache, (void)table, (void)block_size, (void)n, (void)prefix, (void)Hq, (void)Hkv;
-    (void)D, (void)scale, (void)out, (void)out_stride, (void)threads, (void)k_scale;
-    (void)v_scale, (void)cache_fp8;
+    (void)v_cache, (void)tables, (void)table_starts, (void)block_size, (void)count;
+    (void)starts, (void)lengths, (void)prefixes, (void)Hq, (void)Hkv, (void)D, (void)scale;
+    (void)out, (void)out_stride, (void)threads, (void)k_scale, (void)v_scale, (void)cache_fp8;
     return -1;
 #endif
 }

@@ -149,7 +149,9 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
     calls = []
     real = cpu_attention._prefill_attention_native
     monkeypatch.setattr(
-        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(1) or real(*a)
+        cpu_attention,
+        "_prefill_attention_native",
+        lambda *a: calls.extend(a[8].sequences) or real(*a),
     )
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)  # SDPA may win here
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
@@ -173,7 +175,9 @@ def test_an_fp8_cache_is_read_by_the_amx_kernel_and_skipped_by_the_other(kernel,
     calls = []
     real = cpu_attention._prefill_attention_native
     monkeypatch.setattr(
-        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(a[8].prefix) or real(*a)
+        cpu_attention,
+        "_prefill_attention_native",
+        lambda *a: calls.extend(s.prefix for s in a[8].sequences) or real(*a),
     )
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
@@ -226,6 +230,23 @@ def test_amx_prefill_gives_the_same_bits_strided_and_at_any_thread_count(monkeyp
     assert torch.equal(one, two)
 
 
+@_needs_amx_prefill
+def test_amx_prefill_gives_each_sequence_of_a_batch_the_bits_it_gets_alone(monkeypatch):
+    """One call takes the whole batch; no sequence's result depends on the others."""
+    new, prefix = [70, 300, 5, 16, 129], [0, 40, 0, 300, 17]
+    args, scale = _case(torch.bfloat16, 9, 3, 64, new, prefix)
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    batched = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+    starts = cu.tolist()
+    for b in range(len(new)):
+        rows = slice(starts[b], starts[b + 1])
+        alone = prefill_plan([0, new[b]], [prefix[b]], tables[b : b + 1], kc.shape[1])
+        out = prefill_attention_cpu(q[rows], k[rows], v[rows], kc, vc, ks, vs, alone, scale)
+        assert torch.equal(out, batched[rows])
+
+
 @needs_bf16_prefill
 @pytest.mark.parametrize("kernel", PREFILL_KERNELS)
 def test_bf16_prefill_is_no_further_from_exact_than_sdpa(kernel, monkeypatch):
@@ -252,7 +273,9 @@ def test_bf16_prefill_takes_the_kernel_measured_faster(c_kernel_wins, monkeypatc
     asked, calls = [], []
     real = cpu_attention._prefill_attention_native
     monkeypatch.setattr(
-        cpu_attention, "_prefill_attention_native", lambda *a: calls.append(1) or real(*a)
+        cpu_attention,
+        "_prefill_attention_native",
+        lambda *a: calls.extend(a[8].sequences) or real(*a),
     )
     monkeypatch.setattr(
         cpu_attention, "native_prefill_wins", lambda *a: asked.append(a) or c_kernel_wins
