@@ -51,7 +51,7 @@ from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 # (the AMX kernel: 2.0 against oneDNN's 2.6 TFLOP/s here), so 512's choice must not reach them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 T = TypeVar("T")
-PLAN_FORMAT = 4  # part of the cache key: plans measured without the 2048 bucket are stale
+PLAN_FORMAT = 5  # part of the cache key: plans measured without silu_mul_fused are stale
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -150,6 +150,9 @@ class GemmPlan:
     # bucket → the backend for the weights the choice declines (where it is "gguf" or "amx")
     fallback_choices: dict[int, str] = field(default_factory=dict)
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    # bucket → whether gate_up and SiLU·mul run as one AMX pass (AmxGemm.silu_mul) rather
+    # than the bucket's GEMM, then SiLU·mul; a bucket without an entry fuses where it runs AMX
+    silu_mul_fused: dict[int, bool] = field(default_factory=dict)
     packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
     amx: AmxGemm = field(default_factory=AmxGemm, repr=False)
     quantized: QuantizedGemm = field(default_factory=QuantizedGemm, repr=False)
@@ -167,19 +170,25 @@ class GemmPlan:
         if partial:
             raise ValueError(f"a fallback cannot be {sorted(partial)}: it may decline a weight")
 
-    def prepare(self, weights: Sequence[torch.Tensor]) -> None:
+    def prepare(
+        self, weights: Sequence[torch.Tensor], silu_mul_weights: Sequence[torch.Tensor] = ()
+    ) -> None:
         """Pack the weights now for the packed backends the plan uses (at start-up: else the
         first request would pay ~1 ms per weight), and drop the packings of those it does
-        not (measuring left them)."""
+        not (measuring left them). ``silu_mul_weights`` (among ``weights``) are packed for
+        AMX too where the plan fuses SiLU·mul."""
         used = {*self.choices.values(), *self.fallback_choices.values()}
+        fused = any(self.silu_mul_fused.values())
         self.packed = self.packed if "onednn-packed" in used else PackedOneDNN()
-        self.amx = self.amx if "amx" in used else AmxGemm()
+        self.amx = self.amx if "amx" in used or fused else AmxGemm()
         self._routes.clear()  # they may name the packings dropped here
         for weight in weights:
             if "onednn-packed" in used:
                 self.packed.pack(weight)
             if "amx" in used:
                 self.amx.pack(weight)
+        for weight in silu_mul_weights if fused else ():
+            self.amx.pack(weight)
 
     def backend(self, name: str) -> Callable:
         if name == "gguf":
@@ -188,11 +197,13 @@ class GemmPlan:
 
     def choice_for(self, rows: int, fallback: bool = False) -> str:
         choices = self.fallback_choices if fallback else self.choices
-        for bucket in BUCKETS:
-            if rows <= bucket:
-                break
+        bucket = _bucket(rows)
         chosen = choices.get(bucket) or self.choices.get(bucket, "torch")
         return "torch" if fallback and chosen in PARTIAL_BACKENDS else chosen
+
+    def fuses_silu_mul(self, rows: int) -> bool:
+        fused = self.silu_mul_fused.get(_bucket(rows))
+        return self.choice_for(rows) == "amx" if fused is None else fused
 
     def gemm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -221,8 +232,13 @@ class GemmPlan:
         bias: torch.Tensor | None = None,
         activation: str | None = None,
     ) -> torch.Tensor:
-        """``x @ weight.T (+ bias)``, then silu(gate) * up for ``activation="silu_mul"``;
-        x is [rows, in]."""
+        """``x @ weight.T (+ bias)``, then silu(gate) * up for ``activation="silu_mul"``
+        (one AMX pass where the plan measured it faster for these rows: [gate | up] never
+        written out, the bits of the AMX GEMM then SiLU·mul); x is [rows, in]."""
+        if activation == "silu_mul" and self.fuses_silu_mul(x.shape[0]):
+            fused = self.amx.silu_mul(x, weight, bias)
+            if fused is not None:
+                return fused
         out = self.gemm(x, weight, bias)
         if activation is None:
             return out
@@ -240,11 +256,14 @@ class GemmPlan:
         buckets: Sequence[int] = BUCKETS,
         cold_layers: int = 8,
         quantized: QuantizedGemm | None = None,
+        silu_mul_weights: Sequence[torch.Tensor] = (),
     ) -> GemmPlan:
         """Time every available backend on ``weights`` (one layer's GEMM weights after
         another, as a forward reads them) at each bucket's row count; keep the fastest, and
         the fastest that takes every weight. "gguf" is timed where ``quantized`` holds every
-        swept weight's blocks, "amx" where it takes every swept weight.
+        swept weight's blocks, "amx" where it takes every swept weight. Where AMX takes
+        ``silu_mul_weights`` (the gate_up weights, whose output goes through SiLU·mul), the
+        fused AMX pass is timed against the bucket's choice followed by SiLU·mul.
 
         Small row counts are memory-bound and sweep up to ``cold_layers`` layers' weights
         so the caches do not flatter them; large ones are compute-bound and sweep fewer."""
@@ -273,10 +292,31 @@ class GemmPlan:
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
             plan.fallback_choices[rows] = fallback
+            silu_sweep = silu_mul_weights[: max(len(silu_mul_weights) // cold_layers, 2)]
+            if (
+                silu_sweep
+                and plan.amx.silu_mul(inputs[silu_sweep[0].shape[1]], silu_sweep[0], None)
+                is not None
+            ):
+                fused = best_ms(lambda a=plan.amx, s=silu_sweep, x=inputs: _sweep(a.silu_mul, s, x))
+                apart = best_ms(
+                    lambda p=plan, s=silu_sweep, x=inputs: _sweep(
+                        lambda *a: silu_mul_native(p.gemm(*a)), s, x
+                    )
+                )
+                plan.silu_mul_fused[rows] = fused < apart
         return plan  # with the sweep's packings: they are the model's weights, packed
 
     def describe(self) -> str:
         return ", ".join(f"{rows}:{name}" for rows, name in sorted(self.choices.items()))
+
+
+def _bucket(rows: int) -> int:
+    """The bucket a row count routes to: the first at or above it, past the last the last."""
+    for bucket in BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return BUCKETS[-1]
 
 
 def plan_cache_dir() -> Path:
@@ -290,16 +330,19 @@ def cached_plan(
     weights: Sequence[torch.Tensor],
     directory: Path | None = None,
     quantized: QuantizedGemm | None = None,
+    silu_mul_weights: Sequence[torch.Tensor] = (),
 ) -> GemmPlan:
-    """The plan for these weights (and their GGUF blocks, if any) on this machine at the
-    current thread count: read from the cache, or measured and stored."""
+    """The plan for these weights (and their GGUF blocks, if any; ``silu_mul_weights``, as
+    ``GemmPlan.measure`` takes them) on this machine at the current thread count: read from
+    the cache, or measured and stored."""
     quantized = quantized or QuantizedGemm()
 
     def measure() -> tuple[dict, GemmPlan]:
-        plan = GemmPlan.measure(weights, quantized=quantized)
+        plan = GemmPlan.measure(weights, quantized=quantized, silu_mul_weights=silu_mul_weights)
         data = {
             "choices": plan.choices,
             "fallback_choices": plan.fallback_choices,
+            "silu_mul_fused": plan.silu_mul_fused,
             "timings_ms": plan.timings_ms,
         }
         return data, plan
@@ -308,10 +351,12 @@ def cached_plan(
         return GemmPlan(
             choices={int(k): v for k, v in data["choices"].items()},
             fallback_choices={int(k): v for k, v in data["fallback_choices"].items()},
+            silu_mul_fused={int(k): bool(v) for k, v in data["silu_mul_fused"].items()},
             quantized=quantized,
         )
 
-    path = (directory or plan_cache_dir()) / f"{_plan_key(weights, quantized)}.json"
+    key = _plan_key(weights, quantized, len(silu_mul_weights))
+    path = (directory or plan_cache_dir()) / f"{key}.json"
     return cached_measurement(path, measure, parse)
 
 
@@ -335,9 +380,9 @@ def cached_measurement(
         return value
 
 
-def _plan_key(weights: Sequence[torch.Tensor], quantized: QuantizedGemm) -> str:
+def _plan_key(weights: Sequence[torch.Tensor], quantized: QuantizedGemm, silu_mul: int) -> str:
     """What a plan depends on: the CPU, torch, our C kernels, the thread count, the
-    weights' shapes and block types."""
+    weights' shapes and block types, how many of them go through SiLU·mul."""
     parts = [
         platform.machine(),
         cpu_signature(),  # its instruction sets too
@@ -347,6 +392,7 @@ def _plan_key(weights: Sequence[torch.Tensor], quantized: QuantizedGemm) -> str:
         str(torch.get_num_threads()),
         str(weights[0].dtype),
         ",".join(f"{w.shape[0]}x{w.shape[1]}" for w in weights),
+        f"silu_mul {silu_mul}",
         *([f"gguf {quantized.describe()}"] if quantized.blocks else []),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -90,7 +90,9 @@ def cpu_gemm_plan(model, choice: str, quantized: QuantizedGemm | None = None) ->
 
         return GemmPlan(choices=dict.fromkeys(BUCKETS, choice), quantized=quantized)
     with torch.inference_mode():
-        plan = cached_plan(model.gemm_weights(), quantized=quantized)
+        plan = cached_plan(
+            model.gemm_weights(), quantized=quantized, silu_mul_weights=model.silu_mul_weights()
+        )
     logger.info("CPU GEMM plan (rows: backend): %s", plan.describe())
     return plan
 
@@ -116,7 +118,7 @@ def load_shard(
     quantized = QuantizedGemm(checkpoint.gemm_blocks(model) if config.gguf_gemm else ())
     plan = cpu_gemm_plan(model, config.cpu_gemm, quantized)
     with torch.inference_mode():
-        plan.prepare(model.gemm_weights())
+        plan.prepare(model.gemm_weights(), model.silu_mul_weights())
     model.use_linear(plan.linear)
     cpu_native.library()  # built now (seconds, once per machine), not in the first request
     model.use_native_decode(NativeDecodeLayers.build(model, plan))

@@ -175,6 +175,10 @@ class LlamaModel(nn.Module):
             return weights
         return [*weights, self._lm_head()]
 
+    def silu_mul_weights(self) -> list[torch.Tensor]:
+        """The GEMM weights whose output goes through SiLU·mul (each layer's gate_up)."""
+        return [layer.gate_up_weight for layer in self.layers]
+
     def _lm_head(self) -> torch.Tensor:
         if not self.has_lm_head:
             raise RuntimeError("this tensor-parallel rank holds no LM head (rank 0 samples)")

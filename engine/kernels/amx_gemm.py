@@ -77,6 +77,30 @@ class AmxGemm:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
+        packed = self._packed_for(x, weight, bias)
+        if packed is None:
+            return None
+        out = torch.empty((x.shape[0], packed.out_features), dtype=torch.bfloat16)
+        self._run(cpu_native.library().amx_linear_bf16, x, packed, bias, out)
+        return out
+
+    def silu_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of ``x @ weight.T (+ bias)`` = [gate | up], [rows, out / 2]: the
+        bits of ``__call__`` then ``silu_mul_native``, without writing [gate | up] out. None
+        where ``__call__`` declines, for 16 rows or fewer, and where out / 2 is not whole
+        column blocks."""
+        packed = self._packed_for(x, weight, bias)
+        if packed is None or x.shape[0] <= 16 or packed.out_features % (2 * COLUMNS_PER_BLOCK):
+            return None
+        out = torch.empty((x.shape[0], packed.out_features // 2), dtype=torch.bfloat16)
+        self._run(cpu_native.library().amx_linear_silu_mul_bf16, x, packed, bias, out)
+        return out
+
+    def _packed_for(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> _Packed | None:
         packed = self.pack(weight)
         if (
             packed is None
@@ -87,15 +111,18 @@ class AmxGemm:
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
         ):
             return None
+        if x.shape[1] != packed.in_features:
+            raise ValueError(f"x has {x.shape[1]} features, the weight takes {packed.in_features}")
+        return packed
+
+    @staticmethod
+    def _run(entry, x: torch.Tensor, packed: _Packed, bias: torch.Tensor | None, out) -> None:
         rows, in_features = x.shape
-        if in_features != packed.in_features:
-            raise ValueError(f"x has {in_features} features, the weight takes {packed.in_features}")
-        out = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
-        status = cpu_native.library().amx_linear_bf16(
+        status = entry(
             x.data_ptr(), max(x.stride(0), in_features), rows, packed.address, packed.out_features,
             in_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise RuntimeError(f"amx_linear_bf16 refused {rows} x {tuple(weight.shape)}")
-        return out
+            shape = (packed.out_features, in_features)
+            raise RuntimeError(f"{entry.__name__} refused {rows} x {shape}")

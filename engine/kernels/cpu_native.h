@@ -123,6 +123,25 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+
+// float_to_bf16 on 16 lanes, in its integer arithmetic (the cvtneps2bf16 instruction would
+// flush subnormals to zero and keep a NaN's sign and payload): the upper half of each lane.
+static inline __m512i rounded16_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i top = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+static inline __m256i to16_bf16(__m512 x) {  // float_to_bf16
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded16_bf16(x), 16));
+}
+
+static inline __m512 round16_bf16(__m512 x) {  // round_to(x, bf16)
+    return _mm512_castsi512_ps(rounded16_bf16(x));
+}
 #endif
 
 // Entry points that decode_layer_cpu.c chains (defined in the files named; each takes
@@ -141,6 +160,8 @@ void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t
                   void *new_residual, int threads);
 void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, int dtype,
                    void *out, int threads);
+// round_to(silu(g), bf16) for every bf16 g, by g's bits (filled on the first call)
+const uint16_t *silu_bf16_table(void);
 // attention_cpu.c
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_stride, const void *k_cache,
                            const void *v_cache, int cache_dtype, const float *k_scale,

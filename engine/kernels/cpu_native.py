@@ -154,6 +154,8 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.amx_pack_weight.restype = None
     lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]
     lib.amx_linear_bf16.restype = i32
+    lib.amx_linear_silu_mul_bf16.argtypes = lib.amx_linear_bf16.argtypes
+    lib.amx_linear_silu_mul_bf16.restype = i32
     lib.decode_layer_bf16.argtypes = [ptr, ptr, i32]
     lib.decode_layer_bf16.restype = i32
     return lib

@@ -63,25 +63,6 @@ static inline void store(void *p, int dtype, int64_t i, float x) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-// float_to_bf16 on 16 lanes, in its integer arithmetic (the cvtneps2bf16 instruction would
-// flush subnormals to zero and keep a NaN's sign and payload): the upper half of each lane.
-static inline __m512i rounded16_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i top = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
-    return _mm512_mask_mov_epi32(top, nan, _mm512_set1_epi32(0x7FC00000));
-}
-
-static inline __m256i to16_bf16(__m512 x) {  // float_to_bf16
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded16_bf16(x), 16));
-}
-
-static inline __m512 round16_bf16(__m512 x) {  // round_to(x, bf16)
-    return _mm512_castsi512_ps(rounded16_bf16(x));
-}
-
 // rope_head's bf16 body where the half head is whole vectors; 0 where it is not.
 static int rope_head_bf16_lanes(const uint16_t *x, const uint16_t *cos, const uint16_t *sin,
                                 int64_t D, uint16_t *out) {
@@ -262,24 +243,30 @@ static inline float exp_any(float x) {
 // SiLU of a bf16 gate rounded to bf16, by the gate's bits: a value depends on the gate alone,
 // so 65,536 of them, computed once by silu_mul_row's scalar formula, replace an exp and a
 // division per lane. Two entries of padding: a lane's gather reads 4 bytes.
-static uint16_t silu_bf16_table[65536 + 2];
-static pthread_once_t silu_bf16_table_once = PTHREAD_ONCE_INIT;
+static uint16_t silu_bf16_values[65536 + 2];
+static pthread_once_t silu_bf16_once = PTHREAD_ONCE_INIT;
 
-static void fill_silu_bf16_table(void) {
+static void fill_silu_bf16_values(void) {
     for (uint32_t bits = 0; bits < 65536; bits++) {
         const float g = bf16_to_float((uint16_t)bits);
-        silu_bf16_table[bits] = float_to_bf16(g / (1.0f + exp_any(-g)));
+        silu_bf16_values[bits] = float_to_bf16(g / (1.0f + exp_any(-g)));
     }
+}
+
+const uint16_t *silu_bf16_table(void) {
+    pthread_once(&silu_bf16_once, fill_silu_bf16_values);
+    return silu_bf16_values;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // silu_mul_row's bf16 lanes, 16 at a time; returns how many columns it did.
 static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int64_t I,
                                    uint16_t *out) {
+    const uint16_t *table = silu_bf16_table();
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
         const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
-        const __m512i entries = _mm512_i32gather_epi32(bits, (const void *)silu_bf16_table, 2);
+        const __m512i entries = _mm512_i32gather_epi32(bits, (const void *)table, 2);
         const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(entries, 16));
         const __m256i prod = to16_bf16(_mm512_mul_ps(silu, load16_bf16(up + i)));
         _mm256_storeu_si256((__m256i *)(out + i), prod);
@@ -312,7 +299,7 @@ void silu_mul_rows(const void *gate_up, int64_t stride, int64_t T, int64_t I, in
                    void *out, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
-    if (dtype == 2) pthread_once(&silu_bf16_table_once, fill_silu_bf16_table);
+    if (dtype == 2) silu_bf16_table();  // filled before the threads read it
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * I >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)gate_up + t * stride * size;

@@ -150,18 +150,43 @@ static void few_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint1
 // (256 rows of 1,536 inputs: 768 KiB).
 #define CHUNK_ROWS 256
 
+// silu(gate) * up for 16 columns of `rows` rows from the sums of their gate and up columns
+// (C tiles stored as fp32 [16][16]) plus bias: each rounded to bf16 as store_sums rounds
+// it, then as silu_mul_rows computes from those bf16 values (SiLU from its table), so the
+// same bits as amx_linear_bf16 then silu_mul_rows. Into y's rows (row stride `half`) at
+// column `col`.
+static void store_silu_mul(const float gate[16][16], const float up[16][16], int rows,
+                           const uint16_t *bias, int64_t col, int64_t half,
+                           const uint16_t *table, uint16_t *y) {
+    const __m512 add_gate = bias ? load16_bf16(bias + col) : _mm512_setzero_ps();
+    const __m512 add_up = bias ? load16_bf16(bias + half + col) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m256i g = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(gate[r]), add_gate));
+        const __m256i u = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(up[r]), add_up));
+        const __m512i silu = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(g), (const void *)table, 2);
+        const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)),
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u), 16)));
+        _mm256_storeu_si256((__m256i *)(y + r * half + col), to16_bf16(product));
+    }
+}
+
 // More rows (a prompt): each weight tile is used by every row tile, so the loop reuses
 // tiles in both directions: 2 row tiles x 2 column blocks, 4 sums from 4 loads. x is taken
 // CHUNK_ROWS rows at a time (kept in L2 while the thread's column pairs pass); a column
 // pair stays in L1/L2 while the chunk's row tiles pass, and the next pair is asked for from
 // memory meanwhile, a few lines each step.
+//
+// A pair is two neighbouring column blocks; with `table` (SiLU's), block j of the gate
+// half and block j of the up half, whose product is y's column block j (y [m, n / 2]).
 static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
-                      int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
-    const int64_t k_blocks = k / 32;
+                      int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads,
+                      const uint16_t *table) {
+    const int64_t k_blocks = k / 32, block = k_blocks * 512;  // a column block's elements
     const int64_t n_blocks = n / 16;
-    const int64_t pairs = (n_blocks + 1) / 2;
-    const int64_t pair_lines = 2 * k_blocks * 1024 / 64;
-    const char *packed_end = (const char *)(packed + n_blocks * k_blocks * 512);
+    const int64_t pairs = table ? n_blocks / 2 : (n_blocks + 1) / 2;
+    const int64_t partner = table ? n_blocks / 2 * block : block;  // pair's second block
+    const int64_t block_lines = block * 2 / 64;
+    const char *packed_end = (const char *)(packed + n_blocks * block);
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
     {
@@ -170,15 +195,19 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
         for (int64_t chunk = 0; chunk < m; chunk += CHUNK_ROWS) {
             const int64_t chunk_end = m - chunk < CHUNK_ROWS ? m : chunk + CHUNK_ROWS;
             const int64_t steps = (chunk_end - chunk + 31) / 32 * k_blocks;
-            const int64_t lines_per_step = (pair_lines + steps - 1) / steps;
+            const int64_t lines_per_step = (block_lines + steps - 1) / steps;
 #pragma omp for schedule(static) nowait
             for (int64_t pair = 0; pair < pairs; pair++) {
-                const int64_t nb0 = pair * 2;
-                const int two_columns = nb0 + 1 < n_blocks;
-                const uint16_t *w0 = packed + nb0 * k_blocks * 512, *w1 = w0 + k_blocks * 512;
-                const char *next = (const char *)(w0 + 2 * k_blocks * 512);  // the next pair
-                const char *next_end = next + pair_lines * 64 < packed_end ? next + pair_lines * 64
-                                                                          : packed_end;
+                const int64_t nb0 = table ? pair : pair * 2;
+                const int two_columns = table || nb0 + 1 < n_blocks;
+                const uint16_t *w0 = packed + nb0 * block, *w1 = w0 + partner;
+                // the next pair's two blocks, a few lines of each per step
+                const char *next0 = (const char *)(w0 + (table ? block : 2 * block));
+                const char *next1 = next0 + partner * 2;
+                const char *end0 = next0 + block_lines * 64 < packed_end ? next0 + block_lines * 64
+                                                                        : packed_end;
+                const char *end1 = next1 + block_lines * 64 < packed_end ? next1 + block_lines * 64
+                                                                        : packed_end;
                 for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
                     const int rows0 = (int)(chunk_end - m0 < 16 ? chunk_end - m0 : 16);
                     const int64_t left = chunk_end - m0 - 16;
@@ -195,8 +224,10 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                         _tile_zero(7);
                     }
                     for (int64_t kb = 0; kb < k_blocks; kb++) {
-                        for (int64_t l = 0; l < lines_per_step && next < next_end; l++, next += 64)
-                            _mm_prefetch(next, _MM_HINT_T1);
+                        for (int64_t l = 0; l < lines_per_step && next0 < end0; l++, next0 += 64)
+                            _mm_prefetch(next0, _MM_HINT_T1);
+                        for (int64_t l = 0; l < lines_per_step && next1 < end1; l++, next1 += 64)
+                            _mm_prefetch(next1, _MM_HINT_T1);
                         _tile_loadd(0, x0 + kb * 32, x_stride * 2);
                         _tile_loadd(2, w0 + kb * 512, 64);
                         _tile_dpbf16ps(4, 0, 2);
@@ -214,6 +245,14 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                     if (two_columns) _tile_stored(5, sums[1], 64);
                     if (rows1) _tile_stored(6, sums[2], 64);
                     if (rows1 && two_columns) _tile_stored(7, sums[3], 64);
+                    if (table) {
+                        const int64_t half = n / 2;
+                        uint16_t *y0 = y + m0 * half, *y1 = y0 + 16 * half;
+                        store_silu_mul(sums[0], sums[1], rows0, bias, nb0 * 16, half, table, y0);
+                        if (rows1)
+                            store_silu_mul(sums[2], sums[3], rows1, bias, nb0 * 16, half, table, y1);
+                        continue;
+                    }
                     uint16_t *y0 = y + m0 * n, *y1 = y0 + 16 * n;
                     store_sums(sums[0], rows0, bias, nb0 * 16, y0, n);
                     if (two_columns) store_sums(sums[1], rows0, bias, (nb0 + 1) * 16, y0, n);
@@ -236,7 +275,19 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16
     if (!amx_gemm_available() || n % 16 || k % 32 || m < 0 || x_stride < k) return -1;
     if (m == 0) return 0;
     if (m <= 16) few_rows(x, x_stride, m, packed, n, k, bias, y, threads);
-    else many_rows(x, x_stride, m, packed, n, k, bias, y, threads);
+    else many_rows(x, x_stride, m, packed, n, k, bias, y, threads, NULL);
+    return 0;
+}
+
+// y [m, n / 2] = silu(gate) * up, where [gate | up] = x @ W.T (+ bias) as amx_linear_bf16
+// computes it (W's first n / 2 rows the gate's): the same bits as amx_linear_bf16 then
+// silu_mul_rows, without writing [gate | up] out. From 17 rows (a prompt); returns -1 for
+// fewer (decode's few rows gain nothing) and for shapes it does not take.
+int amx_linear_silu_mul_bf16(const uint16_t *x, int64_t x_stride, int64_t m,
+                             const uint16_t *packed, int64_t n, int64_t k, const uint16_t *bias,
+                             uint16_t *y, int threads) {
+    if (!amx_gemm_available() || n % 32 || k % 32 || m <= 16 || x_stride < k) return -1;
+    many_rows(x, x_stride, m, packed, n, k, bias, y, threads, silu_bf16_table());
     return 0;
 }
 
@@ -250,6 +301,14 @@ void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, 
 
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                     int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y;
+    (void)threads;
+    return -1;
+}
+
+int amx_linear_silu_mul_bf16(const uint16_t *x, int64_t x_stride, int64_t m,
+                             const uint16_t *packed, int64_t n, int64_t k, const uint16_t *bias,
+                             uint16_t *y, int threads) {
     (void)x, (void)x_stride, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y;
     (void)threads;
     return -1;

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.cpu_gemm import GemmPlan
 from engine.kernels.amx_gemm import AmxGemm, amx_available
+from engine.kernels.fused_cpu import silu_mul_native
 
 needs_amx = pytest.mark.skipif(
     not amx_available(), reason="this CPU (or its C build) has no AMX-BF16 tiles"
@@ -97,6 +98,46 @@ def test_amx_packings_follow_their_weights():
     assert len(amx._packed) == 0
 
 
+@needs_amx
+# 17 rows and up (fewer decline); a last tile of 1-15 rows, a lone last row tile, chunks of 256
+@pytest.mark.parametrize("rows", [17, 32, 33, 100, 256, 273, 290])
+@pytest.mark.parametrize("shape", [(3072, 576), (64, 96), (32, 32)])
+def test_amx_silu_mul_gives_the_bits_of_the_gemm_then_silu_mul(rows, shape):
+    x, w, b = _case(rows, *shape)
+    x = x * 4  # gates from ~-30 to 30: SiLU's saturated ends and its curve
+    amx = AmxGemm()
+    for bias in (None, b):
+        fused = amx.silu_mul(x, w, bias)
+        assert fused.shape == (rows, shape[0] // 2)
+        assert torch.equal(
+            fused.view(torch.int16), silu_mul_native(amx(x, w, bias)).view(torch.int16)
+        )
+
+
+@needs_amx
+def test_amx_silu_mul_declines_few_rows_and_halves_of_partial_blocks():
+    amx = AmxGemm()
+    x, w, _ = _case(16, 64, 32)
+    assert amx.silu_mul(x, w, None) is None  # decode's few rows: the GEMM, then SiLU
+    x, w, _ = _case(40, 48, 32)  # 24 outputs a half: not whole column blocks
+    assert amx.silu_mul(x, w, None) is None
+    assert amx.silu_mul(x.float(), w.float(), None) is None
+
+
+@needs_amx
+@pytest.mark.parametrize("choice", ["amx", "torch"])
+def test_a_plan_fuses_silu_mul_where_it_runs_amx_only(choice, monkeypatch):
+    x, w, b = _case(40, 64, 96)
+    plan = GemmPlan(choices={64: choice}, fallback_choices={64: "torch"})
+    calls = []
+    real = plan.amx.silu_mul
+    monkeypatch.setattr(plan.amx, "silu_mul", lambda *a: calls.append(1) or real(*a))
+    out = plan.linear(x, w, b, activation="silu_mul")
+    assert calls == ([1] if choice == "amx" else [])
+    gemm = AmxGemm()(x, w, b) if choice == "amx" else F.linear(x, w, b)
+    assert torch.equal(out, silu_mul_native(gemm))
+
+
 def test_a_plan_on_amx_runs_the_weights_it_declines_on_its_fallback():
     plan = GemmPlan(choices={1: "amx", 8: "torch"}, fallback_choices={1: "torch", 8: "torch"})
     odd = torch.randn(24, 64).bfloat16()  # 24 outputs: not whole tiles
@@ -122,6 +163,30 @@ def test_measuring_bf16_weights_times_amx_and_packs_what_it_chooses():
         assert len(plan.amx._packed) == 2
     fp32 = GemmPlan.measure([w.float() for w in weights], buckets=(1,))
     assert "amx" not in fp32.timings_ms[1]
+
+
+@needs_amx
+def test_a_plan_measures_the_fused_silu_mul_keeps_it_and_packs_for_it(tmp_path, monkeypatch):
+    from engine import cpu_gemm
+
+    gate_up = torch.randn(128, 64).bfloat16()
+    weights = [torch.randn(96, 64).bfloat16(), gate_up, torch.randn(64, 64).bfloat16()]
+    plan = GemmPlan.measure(weights, buckets=(8, 32), silu_mul_weights=[gate_up])
+    assert set(plan.silu_mul_fused) == {32}  # 8 rows: the fused pass declines
+    real = cpu_gemm.GemmPlan.measure
+    monkeypatch.setattr(
+        cpu_gemm.GemmPlan, "measure", staticmethod(lambda ws, **kw: real(ws, buckets=(32,), **kw))
+    )
+    stored = cpu_gemm.cached_plan(weights, tmp_path, silu_mul_weights=[gate_up])
+    again = cpu_gemm.cached_plan(weights, tmp_path, silu_mul_weights=[gate_up])
+    assert again.silu_mul_fused == stored.silu_mul_fused and set(again.silu_mul_fused) == {32}
+    fused = GemmPlan(choices={32: "torch"}, silu_mul_fused={32: True})
+    fused.prepare(weights, [gate_up])
+    assert list(fused.amx._packed) == [gate_up]  # packed at start-up, not on first use
+    x = torch.randn(20, 64).bfloat16()
+    out = fused.linear(x, gate_up, activation="silu_mul")
+    assert torch.equal(out, silu_mul_native(AmxGemm()(x, gate_up, None)))
+    GemmPlan(choices={32: "torch"}, silu_mul_fused={32: False}).prepare(weights, [gate_up])
 
 
 @needs_amx
