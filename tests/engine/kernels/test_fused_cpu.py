@@ -167,6 +167,18 @@ def test_silu_mul_gives_the_same_bits_for_every_bf16_gate_in_lanes_and_scalar_lo
     torch.testing.assert_close(scalar.flatten()[finite].float(), want[finite].float())
 
 
+def test_bf16_rounding_in_lanes_matches_the_scalar_loop_for_any_products():
+    # Random bit patterns for gate and up (NaNs, infinities, subnormals among them): their
+    # products reach every kind of fp32 value, rounded to bf16 in the lanes (the hardware
+    # instruction where a vector holds no NaN or subnormal) and in the scalar loop.
+    g = torch.Generator().manual_seed(6)
+    bits = torch.randint(-(2**15), 2**15, (2, 1 << 20), generator=g, dtype=torch.int32)
+    gate, up = bits.to(torch.int16).view(torch.bfloat16)
+    lanes = silu_mul_native(torch.stack([gate, up]).view(2, -1, 16).transpose(0, 1).flatten(1))
+    scalar = silu_mul_native(torch.stack([gate, up], dim=1))
+    assert torch.equal(lanes.flatten().view(torch.int16), scalar.flatten().view(torch.int16))
+
+
 def test_silu_mul_keeps_fp32_on_torch():
     assert silu_mul_native(torch.randn(3, 8)) is None
 
