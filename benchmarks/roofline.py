@@ -70,7 +70,7 @@ def gemm_tflops(
         for (n_in, _), weight in zip(shapes, weights, strict=True):
             linear(inputs[n_in], weight)
 
-    seconds = best_of(layer, repeats=10, device=device)  # the bound: its best, not a noisy one
+    seconds = best_of(layer, repeats=30, device=device)  # the bound: its best, not a noisy one
     flops = sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)
     return flops / seconds / 1e12
 
