@@ -265,7 +265,8 @@ static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int
     const uint16_t *table = silu_bf16_table();
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
-        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
+        const __m256i gate_bits = _mm256_loadu_si256((const __m256i *)(gate + i));
+        const __m512i bits = _mm512_cvtepu16_epi32(gate_bits);
         const __m512i entries = _mm512_i32gather_epi32(bits, (const void *)table, 2);
         const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(entries, 16));
         const __m256i prod = to16_bf16(_mm512_mul_ps(silu, load16_bf16(up + i)));

@@ -161,11 +161,13 @@ static void store_silu_mul(const float gate[16][16], const float up[16][16], int
     const __m512 add_gate = bias ? load16_bf16(bias + col) : _mm512_setzero_ps();
     const __m512 add_up = bias ? load16_bf16(bias + half + col) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        const __m256i g = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(gate[r]), add_gate));
-        const __m256i u = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(up[r]), add_up));
-        const __m512i silu = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(g), (const void *)table, 2);
+        const __m512 g = _mm512_add_ps(_mm512_load_ps(gate[r]), add_gate);
+        const __m512i g_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g));
+        const __m512i silu = _mm512_i32gather_epi32(g_bits, (const void *)table, 2);
+        const __m512 u = _mm512_add_ps(_mm512_load_ps(up[r]), add_up);
+        const __m512i u_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(u));
         const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)),
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u), 16)));
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(u_bits, 16)));
         _mm256_storeu_si256((__m256i *)(y + r * half + col), to16_bf16(product));
     }
 }
@@ -204,10 +206,9 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                 // the next pair's two blocks, a few lines of each per step
                 const char *next0 = (const char *)(w0 + (table ? block : 2 * block));
                 const char *next1 = next0 + partner * 2;
-                const char *end0 = next0 + block_lines * 64 < packed_end ? next0 + block_lines * 64
-                                                                        : packed_end;
-                const char *end1 = next1 + block_lines * 64 < packed_end ? next1 + block_lines * 64
-                                                                        : packed_end;
+                const int64_t ahead = block_lines * 64;
+                const char *end0 = next0 + ahead < packed_end ? next0 + ahead : packed_end;
+                const char *end1 = next1 + ahead < packed_end ? next1 + ahead : packed_end;
                 for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
                     const int rows0 = (int)(chunk_end - m0 < 16 ? chunk_end - m0 : 16);
                     const int64_t left = chunk_end - m0 - 16;
@@ -248,9 +249,10 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                     if (table) {
                         const int64_t half = n / 2;
                         uint16_t *y0 = y + m0 * half, *y1 = y0 + 16 * half;
-                        store_silu_mul(sums[0], sums[1], rows0, bias, nb0 * 16, half, table, y0);
+                        const int64_t col = nb0 * 16;
+                        store_silu_mul(sums[0], sums[1], rows0, bias, col, half, table, y0);
                         if (rows1)
-                            store_silu_mul(sums[2], sums[3], rows1, bias, nb0 * 16, half, table, y1);
+                            store_silu_mul(sums[2], sums[3], rows1, bias, col, half, table, y1);
                         continue;
                     }
                     uint16_t *y0 = y + m0 * n, *y1 = y0 + 16 * n;

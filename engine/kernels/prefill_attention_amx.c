@@ -482,7 +482,8 @@ int prefill_attention_amx_bf16(const uint16_t *q, int64_t q_stride, const uint16
                               NULL, NULL, steps};
         packed_at[b + 1] = packed_at[b] + 2 * (size_t)Hkv * steps * KEYS * D;
     }
-    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (packed_at[count] ? packed_at[count] : 32));
+    const size_t packed_size = packed_at[count] ? packed_at[count] : 32;  // 0: sequences of 0
+    uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * packed_size);
     if (packed == NULL) {
         free(seqs);
         free(packed_at);
