@@ -5,6 +5,7 @@ GEMMs (prefill is bound by them)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,15 +54,15 @@ def model_gemms(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def gemm_tflops(
+def gemm_layer(
     config: ModelConfig,
     tokens: int,
     dtype: torch.dtype,
     linear=F.linear,
     device: torch.device | str = "cpu",
-) -> float:
-    """TFLOP/s of one layer's GEMMs at ``tokens`` rows in ``dtype`` through ``linear``: the
-    prefill bound at that size (a forward made only of GEMMs)."""
+) -> tuple[Callable[[], None], int]:
+    """One layer's GEMMs at ``tokens`` rows in ``dtype`` through ``linear`` (a forward made
+    only of GEMMs: the prefill bound at that size), and their FLOPs."""
     shapes = model_gemms(config)
     weights = [torch.randn(n_out, n_in, device=device).to(dtype) for n_in, n_out in shapes]
     inputs = {n_in: torch.randn(tokens, n_in, device=device).to(dtype) for n_in, _ in shapes}
@@ -70,9 +71,7 @@ def gemm_tflops(
         for (n_in, _), weight in zip(shapes, weights, strict=True):
             linear(inputs[n_in], weight)
 
-    seconds = best_of(layer, repeats=30, device=device)  # the bound: its best, not a noisy one
-    flops = sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)
-    return flops / seconds / 1e12
+    return layer, sum(2 * tokens * n_in * n_out for n_in, n_out in shapes)
 
 
 def prefill_flops(config: ModelConfig, prompt_lens: list[int]) -> float:
