@@ -17,9 +17,10 @@ is worked out once per step (``decode_plan``, ``prefill_plan``), not once per la
   and thread count (``native_prefill_wins``). On a CPU with AMX and a head_dim of 32 or 64,
   ``prefill_attention_amx.c``: S^T = K Q^T and O^T = V^T P^T on the tiles, the softmax
   with one query per lane (1.7-2.3x SDPA at 256-4k tokens here); it reads a cached prefix
-  from bf16 or fp8 pages, and takes a layer's whole batch in one call (``PrefillBatch``). Otherwise, with AVX-512 BF16, ``prefill_attention_cpu.c`` (flash
-  style, its dot products the CPU's bf16 instructions; bf16 pages only): 2-3x SDPA on an
-  AVX-512 BF16 CPU without AMX, 3-4x slower than SDPA's AMX products on one with it.
+  from bf16 or fp8 pages, and takes a layer's whole batch in one call (``PrefillBatch``).
+  Otherwise, with AVX-512 BF16, ``prefill_attention_cpu.c`` (flash style, its dot products
+  the CPU's bf16 instructions; bf16 pages only): 2-3x SDPA on an AVX-512 BF16 CPU without
+  AMX, 3-4x slower than SDPA's AMX products on one with it.
   Otherwise one SDPA call per sequence, never an ``[S, S]`` score tensor: a prompt with no
   cached prefix takes the causal flash kernel, which skips fully masked key blocks; a
   prompt chunk after a prefix gets its keys from the pages plus its own, with a
@@ -188,6 +189,12 @@ class PrefillBatch:
     prefixes: torch.Tensor  # [B] int64: cached tokens
     tables: torch.Tensor | None  # int32: the prefixes' pages, one sequence's after another
     table_starts: torch.Tensor  # [B] int64: where each sequence's pages start in tables
+    max_page: int  # the largest page a prefix reads (-1: none; the C kernel checks none)
+
+    def check_fits(self, num_blocks: int) -> None:
+        """The C kernel trusts the block tables: no prefix may read a page past the cache."""
+        if self.max_page >= num_blocks:
+            raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
 
     @classmethod
     def of(cls, sequences: list[PrefillSequence]) -> PrefillBatch:
@@ -196,13 +203,15 @@ class PrefillBatch:
 
         tables = [seq.table for seq in sequences if seq.table is not None]
         sizes = [0 if seq.table is None else seq.table.numel() for seq in sequences]
+        joined = torch.cat(tables) if tables else None
         return cls(
             sequences,
             int64([seq.start for seq in sequences]),
             int64([seq.end - seq.start for seq in sequences]),
             int64([seq.prefix for seq in sequences]),
-            torch.cat(tables) if tables else None,
+            joined,
             int64([sum(sizes[:b]) for b in range(len(sequences))]),
+            int(joined.max()) if joined is not None and joined.numel() else -1,
         )
 
 
@@ -420,9 +429,8 @@ def _prefill_attention_native(
         return True
     num_q_heads, head_dim = q.shape[1:]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    batch.check_fits(num_blocks)
     tables = batch.tables
-    if tables is not None and tables.numel() and int(tables.max()) >= num_blocks:
-        raise ValueError(f"a prefix page past the cache's {num_blocks} blocks")
     heads = (num_q_heads, num_kv_heads, head_dim, softmax_scale)
     threads = torch.get_num_threads()
     if kernel.reads_fp8_pages:
