@@ -138,6 +138,18 @@ def _only_kernel(monkeypatch, kernel: str):
         )
 
 
+def _record_c_kernel_sequences(monkeypatch) -> list:
+    """The sequences prefill attention hands its C kernel from now on, in order."""
+    ran = []
+    real = cpu_attention._prefill_attention_native
+    monkeypatch.setattr(
+        cpu_attention,
+        "_prefill_attention_native",
+        lambda *a: ran.extend(a[8].sequences) or real(*a),
+    )
+    return ran
+
+
 @needs_bf16_prefill
 @pytest.mark.parametrize("kernel", PREFILL_KERNELS)
 @pytest.mark.parametrize("hq, hkv, d, new, prefix", PREFILL_CASES)
@@ -146,16 +158,10 @@ def test_bf16_prefill_kernel_equals_reference(hq, hkv, d, new, prefix, kernel, m
     args, scale = _case(torch.bfloat16, hq, hkv, d, new, prefix)
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
-    calls = []
-    real = cpu_attention._prefill_attention_native
-    monkeypatch.setattr(
-        cpu_attention,
-        "_prefill_attention_native",
-        lambda *a: calls.extend(a[8].sequences) or real(*a),
-    )
+    ran = _record_c_kernel_sequences(monkeypatch)
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)  # SDPA may win here
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
-    assert len(calls) == len(new)  # every sequence through the C kernel
+    assert len(ran) == len(new)  # every sequence through the C kernel
     expected = prefill_attention_reference(*args, scale)  # fp32 throughout
     assert not out.isnan().any()
     # SDPA in bf16 is as far from the fp32 reference: both round the probabilities to bf16
@@ -172,16 +178,10 @@ def test_an_fp8_cache_is_read_by_the_amx_kernel_and_skipped_by_the_other(kernel,
     args, scale = _case(torch.bfloat16, 9, 3, 64, [70, 30, 5, 200], [0, 40, 0, 300], fp8=True)
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
-    calls = []
-    real = cpu_attention._prefill_attention_native
-    monkeypatch.setattr(
-        cpu_attention,
-        "_prefill_attention_native",
-        lambda *a: calls.extend(s.prefix for s in a[8].sequences) or real(*a),
-    )
+    ran = _record_c_kernel_sequences(monkeypatch)
     monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
-    assert calls == ([0, 40, 0, 300] if kernel == "amx" else [0, 0])
+    assert [seq.prefix for seq in ran] == ([0, 40, 0, 300] if kernel == "amx" else [0, 0])
     expected = prefill_attention_reference(*args, scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -265,24 +265,30 @@ def test_bf16_prefill_is_no_further_from_exact_than_sdpa(kernel, monkeypatch):
 
 
 @needs_bf16_prefill
+def test_a_prefix_page_past_the_cache_is_refused_before_the_c_kernel_reads_it(monkeypatch):
+    args, scale = _case(torch.bfloat16, 9, 3, 64, [40, 9], [0, 16])
+    q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
+    tables = tables.clone()
+    tables[1, 0] = kc.shape[0]  # one past the last block
+    plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
+    monkeypatch.setattr(cpu_attention, "native_prefill_wins", lambda *a: True)
+    with pytest.raises(ValueError, match="prefix page past"):
+        prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
+
+
+@needs_bf16_prefill
 @pytest.mark.parametrize("c_kernel_wins", [True, False])
 def test_bf16_prefill_takes_the_kernel_measured_faster(c_kernel_wins, monkeypatch):
     args, scale = _case(torch.bfloat16, 9, 3, 64, [40, 9], [0, 16])
     q, k, v, cu, prefix_lens, kc, vc, ks, vs, tables = args
     plan = prefill_plan(cu.tolist(), prefix_lens.tolist(), tables, kc.shape[1])
-    asked, calls = [], []
-    real = cpu_attention._prefill_attention_native
-    monkeypatch.setattr(
-        cpu_attention,
-        "_prefill_attention_native",
-        lambda *a: calls.extend(a[8].sequences) or real(*a),
-    )
+    asked, ran = [], _record_c_kernel_sequences(monkeypatch)
     monkeypatch.setattr(
         cpu_attention, "native_prefill_wins", lambda *a: asked.append(a) or c_kernel_wins
     )
     out = prefill_attention_cpu(q, k, v, kc, vc, ks, vs, plan, scale)
     assert asked and asked[0] == (9, 3, 64, torch.get_num_threads())
-    assert len(calls) == (2 if c_kernel_wins else 0)
+    assert len(ran) == (2 if c_kernel_wins else 0)
     expected = prefill_attention_reference(*args, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
