@@ -160,6 +160,14 @@ static inline __m512 round16_bf16(__m512 x) {  // round_to(x, bf16)
 #endif
     return _mm512_castsi512_ps(rounded16_bf16(x));
 }
+
+// silu(gate) * up on 16 lanes, rounded to bf16: SiLU looked up in silu_bf16_table by each
+// lane's bf16 gate bits (the low 16 bits), times up (bf16 values as fp32). Both SiLU·mul
+// loops call it (silu_mul_rows' lanes, the AMX GEMM's fused pass): the same bits.
+static inline __m256i silu_mul16_bf16(__m512i gate_bits, __m512 up, const uint16_t *table) {
+    const __m512i silu = _mm512_i32gather_epi32(gate_bits, (const void *)table, 2);
+    return to16_bf16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), up));
+}
 #endif
 
 // Entry points that decode_layer_cpu.c chains (defined in the files named; each takes

@@ -224,7 +224,8 @@ void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t
     }
 }
 
-// e^x over all of fp32 within ~2 ulp (see EXP_LOW above); exp16_any is its 16 lanes.
+// e^x over all of fp32 within ~2 ulp (see EXP_LOW above): SiLU's, in the scalar loop and
+// the bf16 table.
 static inline float exp_any(float x) {
     const float c = fminf(fmaxf(x, EXP_LOW), EXP_HIGH);
     const float n = nearbyintf(c * EXP_LOG2E);
@@ -266,10 +267,8 @@ static int64_t silu_mul_bf16_lanes(const uint16_t *gate, const uint16_t *up, int
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
         const __m256i gate_bits = _mm256_loadu_si256((const __m256i *)(gate + i));
-        const __m512i bits = _mm512_cvtepu16_epi32(gate_bits);
-        const __m512i entries = _mm512_i32gather_epi32(bits, (const void *)table, 2);
-        const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(entries, 16));
-        const __m256i prod = to16_bf16(_mm512_mul_ps(silu, load16_bf16(up + i)));
+        const __m256i prod =
+            silu_mul16_bf16(_mm512_cvtepu16_epi32(gate_bits), load16_bf16(up + i), table);
         _mm256_storeu_si256((__m256i *)(out + i), prod);
     }
     return i;

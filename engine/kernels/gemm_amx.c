@@ -162,13 +162,12 @@ static void store_silu_mul(const float gate[16][16], const float up[16][16], int
     const __m512 add_up = bias ? load16_bf16(bias + half + col) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 g = _mm512_add_ps(_mm512_load_ps(gate[r]), add_gate);
-        const __m512i g_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g));
-        const __m512i silu = _mm512_i32gather_epi32(g_bits, (const void *)table, 2);
         const __m512 u = _mm512_add_ps(_mm512_load_ps(up[r]), add_up);
+        const __m512i g_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g));
         const __m512i u_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(u));
-        const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)),
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(u_bits, 16)));
-        _mm256_storeu_si256((__m256i *)(y + r * half + col), to16_bf16(product));
+        const __m512 u_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(u_bits, 16));
+        _mm256_storeu_si256((__m256i *)(y + r * half + col),
+                            silu_mul16_bf16(g_bits, u_rounded, table));
     }
 }
 
