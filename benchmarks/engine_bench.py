@@ -242,14 +242,14 @@ def run_engine_benchmark(args) -> int:
             seconds = min(seconds, ours.prefill_s(count, length))
             for i, (layer, _) in enumerate(layers):
                 gemm_s[i] = min(gemm_s[i], best_of(layer, repeats=10, device=engine.device))
+        gemm_flop_s = max(flops / s for (_, flops), s in zip(layers, gemm_s, strict=True))
         prefill.append(
             {
                 "shape": f"{count}x{length}",
                 "ms": seconds * 1e3,
                 "tok_s": count * length / seconds,
                 "tflops": prefill_flops(config, [length] * count) / seconds / 1e12,
-                "gemm_tflops": max(flops / s for (_, flops), s in zip(layers, gemm_s, strict=True))
-                / 1e12,
+                "gemm_tflops": gemm_flop_s / 1e12,
             }
         )
     device = engine.device
