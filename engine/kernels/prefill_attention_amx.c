@@ -105,6 +105,62 @@ static inline void prefix_row(const Prefix *c, const void *cache, const float *s
     }
 }
 
+// 16 x 16 32-bit elements transposed in registers: rows[i] lane j <- rows[j] lane i. Four
+// rounds of shuffles; a gather per output row cost ~10x as much here.
+static inline void transpose16x16(__m512i rows[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of 32-bit elements
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // 4 x 4: rows[i + e] = element e of each 128 bits
+        rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)  // 8 x 8: 128-bit lanes 0, 2 and 1, 3 of row pairs
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {  // 16 x 16
+        rows[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        rows[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+// Step s's KEYS new tokens (rows j0 - prefix ... of k and v, all present) for KV head h:
+// the keys' rows copied, V^T [D][KEYS] by transposes. Each pair of keys' values is
+// interleaved into 32-bit pairs (key 2p's dim d, key 2p + 1's), 16 dims a register; then
+// 16 pairs x 16 dims transposed is 16 rows of V^T.
+static void pack_new_step(const Attention *a, const uint16_t *k, int64_t k_stride,
+                          const uint16_t *v, int64_t v_stride, int64_t h, int64_t j0,
+                          uint16_t *kt, uint16_t *vt) {
+    const int64_t D = a->D, first = j0 - a->prefix;
+    for (int64_t j = 0; j < KEYS; j++)
+        memcpy(kt + j * D, k + (first + j) * k_stride + h * D, sizeof(uint16_t) * D);
+    const __m512i low = _mm512_set_epi16(  // dims 0-15 of two rows, interleaved
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+        35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));  // dims 16-31
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512i lo[16], hi[16];  // pair p's dims d0 .. d0 + 15, d0 + 16 .. d0 + 31
+        for (int p = 0; p < 16; p++) {
+            const uint16_t *row = v + (first + 2 * p) * v_stride + h * D + d0;
+            const __m512i even = _mm512_loadu_si512(row), odd = _mm512_loadu_si512(row + v_stride);
+            lo[p] = _mm512_permutex2var_epi16(even, low, odd);
+            hi[p] = _mm512_permutex2var_epi16(even, high, odd);
+        }
+        transpose16x16(lo);
+        transpose16x16(hi);
+        for (int i = 0; i < 16; i++) {
+            _mm512_store_si512(vt + (d0 + i) * KEYS, lo[i]);
+            _mm512_store_si512(vt + (d0 + 16 + i) * KEYS, hi[i]);
+        }
+    }
+}
+
 // One KV head's keys (rows as they are) and values (transposed per step of KEYS keys),
 // from the cache for the prefix and from k / v for the new tokens.
 static void pack_head(const Attention *a, const uint16_t *k, int64_t k_stride,
@@ -113,6 +169,11 @@ static void pack_head(const Attention *a, const uint16_t *k, int64_t k_stride,
     const int64_t D = a->D, padded = a->steps * KEYS;
     uint16_t *kh = keys + h * padded * D, *vh = values_t + h * padded * D;
     for (int64_t j = 0; j < padded; j++) {
+        if (j % KEYS == 0 && j >= a->prefix && j + KEYS <= a->S) {  // a step of new tokens
+            pack_new_step(a, k, k_stride, v, v_stride, h, j, kh + j * D, vh + j * D);
+            j += KEYS - 1;
+            continue;
+        }
         uint16_t *kt = kh + j * D, *vt = vh + (j / KEYS) * D * KEYS + j % KEYS;
         if (j < a->prefix) {
             const int64_t block = prefix->table[j / prefix->block_size];
@@ -177,17 +238,18 @@ typedef struct {
 } Chunk;
 
 // Q^T as B tiles: row i of tile t = dims 32t + 2i, 32t + 2i + 1 of each query, one 32-bit
-// pair per query (zeros for queries past the rows).
+// pair per query (zeros for queries past the rows): the queries' rows, 32-bit pairs
+// transposed 16 at a time.
 static void gather_queries(const Attention *a, const Item *it, uint16_t *q_t) {
-    const __mmask16 present = (__mmask16)((1u << it->rows) - 1);
-    const __m512i query_rows = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int32_t)(a->q_stride / 2)));  // in 32-bit pairs
     const uint16_t *q0 = a->q + it->i0 * a->q_stride + it->head * a->D;
-    for (int64_t i = 0; i < a->D / 2; i++)
-        _mm512_store_si512(q_t + i * 32,
-                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
-                                                       query_rows, q0 + 2 * i, 4));
+    for (int64_t p0 = 0; p0 < a->D / 2; p0 += 16) {  // 16 pairs = 32 dims
+        __m512i rows[16];
+        for (int64_t r = 0; r < 16; r++)
+            rows[r] = r < it->rows ? _mm512_loadu_si512(q0 + r * a->q_stride + 2 * p0)
+                                   : _mm512_setzero_si512();
+        transpose16x16(rows);
+        for (int i = 0; i < 16; i++) _mm512_store_si512(q_t + (p0 + i) * 32, rows[i]);
+    }
 }
 
 // Tile use (each 16 rows x 64 bytes): 4-5 = Q^T of the query head whose S^T is on the
@@ -334,19 +396,19 @@ static void add_values(const Attention *a, const Chunk *c, const Scratch *w, flo
 }
 #undef VALUES_STEP
 
-// O = O^T transposed / l into out's rows, one query's 16 dims per gather.
+// O = O^T transposed / l into out's rows, 16 dims at a time.
 static void write_out(const Attention *a, const Item *it, const float *o_t, __m512 sum) {
-    _Alignas(64) float inverse[QUERIES];
-    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
-    const __m512i dims = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(QUERIES));
-    for (int64_t r = 0; r < it->rows; r++) {
-        uint16_t *o = a->out + (it->i0 + r) * a->out_stride + it->head * a->D;
-        for (int64_t d = 0; d < a->D; d += 16) {
-            const __m512 x = _mm512_i32gather_ps(dims, o_t + d * QUERIES + r, 4);
-            const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(x, _mm512_set1_ps(inverse[r])));
-            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)y);
+    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    for (int64_t d0 = 0; d0 < a->D; d0 += 16) {
+        __m512i rows[16];  // dim d0 + i's 16 queries, then query r's 16 dims
+        for (int i = 0; i < 16; i++)
+            rows[i] = _mm512_castps_si512(
+                _mm512_mul_ps(_mm512_load_ps(o_t + (d0 + i) * QUERIES), inverse));
+        transpose16x16(rows);
+        for (int64_t r = 0; r < it->rows; r++) {
+            uint16_t *o = a->out + (it->i0 + r) * a->out_stride + it->head * a->D + d0;
+            _mm256_storeu_si256((__m256i *)o,
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(rows[r])));
         }
     }
 }
