@@ -62,6 +62,20 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @needs_amx
+def test_an_output_streamed_past_the_caches_has_the_bits_of_cached_writes():
+    # 700 x 3,072 bf16 outgrows STREAM_BYTES (4 MiB): the kernel streams y's lines; calls of
+    # 100 rows write theirs through the caches
+    x, w, b = _case(700, 3072, 576, seed=3)
+    amx = AmxGemm()
+    streamed = amx(x, w, b)
+    cached = torch.cat([amx(x[i : i + 100], w, b) for i in range(0, 700, 100)])
+    assert torch.equal(streamed, cached)
+    torch.testing.assert_close(
+        streamed.float(), F.linear(x.float(), w.float(), b.float()), rtol=8e-3, atol=1e-4
+    )
+
+
+@needs_amx
 def test_amx_gemm_reads_strided_rows_and_empty_batches():
     wide = torch.randn(8, 1200).bfloat16()
     x = wide[:, :576]  # rows 1200 apart
