@@ -418,14 +418,22 @@ static __m512 probabilities(const Chunk *c, const Scratch *w, __m512 factor, __m
         }                                                          \
     } while (0)
 
-// o_t [D][16] += the chunk's V^T P^T (o_t is zeros for an item's first chunk).
+// o_t [D][16] += the chunk's V^T P^T; for an item's first chunk, o_t = V^T P^T (the tiles
+// start from zeros, not from o_t: short prompts' items are mostly one chunk).
 static void add_values(const Attention *a, const Chunk *c, const Scratch *w, float *o_t) {
     const int64_t D = a->D;
-    _tile_loadd(4, o_t, 64);
-    _tile_loadd(5, o_t + 256, 64);
-    if (D == 64) {
-        _tile_loadd(6, o_t + 512, 64);
-        _tile_loadd(7, o_t + 768, 64);
+    if (c->s0 == 0) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+    } else {
+        _tile_loadd(4, o_t, 64);
+        _tile_loadd(5, o_t + 256, 64);
+        if (D == 64) {
+            _tile_loadd(6, o_t + 512, 64);
+            _tile_loadd(7, o_t + 768, 64);
+        }
     }
     int64_t s = c->s0;
     for (; s + 2 <= c->s1; s += 2) {
@@ -518,8 +526,7 @@ static void attend_items(const Attention *a, int thread, int threads, Scratch w[
         if (has_next) load_queries(a, heads->q_t[next_q] + next.g * q_size);
         float *o_t = heads->o_t + c.g * o_size, *tops = heads->tops + c.g * 16;
         float *sums = heads->sums + c.g * 16;
-        if (c.s0 == 0) {
-            memset(o_t, 0, sizeof(float) * o_size);
+        if (c.s0 == 0) {  // a new item (add_values starts its O^T from zeros)
             _mm512_store_ps(tops, _mm512_set1_ps(-INFINITY));
             _mm512_store_ps(sums, _mm512_setzero_ps());
         }
