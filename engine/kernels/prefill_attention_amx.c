@@ -53,19 +53,21 @@ static void configure(void) {
     _tile_loadconfig(&config);
 }
 
-// 2^x on 16 lanes for x <= 0: x = n + f with |f| <= 1/2, a degree-4 polynomial for 2^f
-// (within 3.7e-6, fitted here on Chebyshev nodes: about torch's exp_u20, which its CPU flash
-// kernel uses; degree 5 cost 3% more here), scalef for 2^n. The kernel runs with FTZ set, so
-// a result below 2^-126 is 0 rather than a subnormal: a subnormal costs a microcode assist,
-// ~12x the whole kernel's time with such scores measured here.
+// 2^x on 16 lanes for x <= 0: x = n + f with |f| <= 1/2, a degree-5 polynomial for 2^f
+// (within 1.8e-7, fitted here on Chebyshev nodes), scalef for 2^n. The kernel runs with FTZ
+// set, so a result below 2^-126 is 0 rather than a subnormal: a subnormal costs a microcode
+// assist, ~12x the whole kernel's time with such scores measured here. (Degree 4, within
+// 3.7e-6, was 3% faster; but the default model's bf16 logits for the README's question then
+// tied "L" with "The", and greedy decoding took "L": answers that close are not worth 3%.)
 static inline __m512 exp2_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.676037356257439e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.592203512787819e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402210682630539e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931210160255432e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
