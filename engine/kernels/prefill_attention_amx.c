@@ -262,72 +262,52 @@ static void load_queries(const Attention *a, const uint16_t *q_t) {
     if (a->D == 64) _tile_loadd(5, q_t + 512, 64);
 }
 
-// S^T = K Q^T for steps s and s + 1 (keys [32 s, 32 s + 64)) into scores[64][16]; Q^T in
-// tiles 4-5. Four sums (16 keys each), so that each one's second product comes four
-// products after its first (not right behind it, as with two steps' pairs of sums in turn:
-// ~1.4x the time measured here); two A tiles in turn.
+// Sums tile C += A tile x Q^T's tile for the dims of `half` (tile 4: dims 0-31, 5: 32-63).
 // (Literal tile numbers throughout: the intrinsics take constants.)
-#define KEY_SCORES_2(keys_h, D, s, scores)                                  \
-    do {                                                                   \
-        const uint16_t *k0_ = (keys_h) + (s) * KEYS * (D);                 \
-        float *out_ = (scores);                                            \
-        _tile_zero(2);                                                     \
-        _tile_zero(3);                                                     \
-        _tile_zero(6);                                                     \
-        _tile_zero(7);                                                     \
-        for (int half_ = 0; half_ < (D) / 32; half_++) {                   \
-            const uint16_t *k_ = k0_ + 32 * half_;                         \
-            _tile_loadd(0, k_, (D) * 2);                                   \
-            if (half_ == 0) _tile_dpbf16ps(2, 0, 4);                       \
-            else _tile_dpbf16ps(2, 0, 5);                                  \
-            _tile_loadd(1, k_ + 16 * (D), (D) * 2);                        \
-            if (half_ == 0) _tile_dpbf16ps(3, 1, 4);                       \
-            else _tile_dpbf16ps(3, 1, 5);                                  \
-            _tile_loadd(0, k_ + 32 * (D), (D) * 2);                        \
-            if (half_ == 0) _tile_dpbf16ps(6, 0, 4);                       \
-            else _tile_dpbf16ps(6, 0, 5);                                  \
-            _tile_loadd(1, k_ + 48 * (D), (D) * 2);                        \
-            if (half_ == 0) _tile_dpbf16ps(7, 1, 4);                       \
-            else _tile_dpbf16ps(7, 1, 5);                                  \
-        }                                                                  \
-        _tile_stored(2, out_, 64);                                         \
-        _tile_stored(3, out_ + 16 * 16, 64);                               \
-        _tile_stored(6, out_ + 32 * 16, 64);                               \
-        _tile_stored(7, out_ + 48 * 16, 64);                               \
+#define TIMES_QUERIES(C, A, half)                          \
+    do {                                                   \
+        if (half) _tile_dpbf16ps(C, A, 5);                 \
+        else _tile_dpbf16ps(C, A, 4);                      \
     } while (0)
 
-// S^T = K Q^T for step s alone (keys [32 s, 32 s + 32)): a chunk's odd last step.
-#define KEY_SCORES_1(keys_h, D, s, scores)                     \
-    do {                                                       \
-        const uint16_t *k0_ = (keys_h) + (s) * KEYS * (D);     \
-        float *out_ = (scores);                                \
-        _tile_zero(2);                                         \
-        _tile_zero(3);                                         \
-        _tile_loadd(0, k0_, (D) * 2);                          \
-        _tile_dpbf16ps(2, 0, 4);                               \
-        _tile_loadd(1, k0_ + 16 * (D), (D) * 2);               \
-        _tile_dpbf16ps(3, 1, 4);                               \
-        if ((D) == 64) {                                       \
-            _tile_loadd(0, k0_ + 32, (D) * 2);                 \
-            _tile_dpbf16ps(2, 0, 5);                           \
-            _tile_loadd(1, k0_ + 16 * (D) + 32, (D) * 2);      \
-            _tile_dpbf16ps(3, 1, 5);                           \
-        }                                                      \
-        _tile_stored(2, out_, 64);                             \
-        _tile_stored(3, out_ + 16 * 16, 64);                   \
-    } while (0)
-
-// Steps s and s + 1 of chunk c into the chunk's scores, or s alone where it is the chunk's
-// last; returns the steps issued.
+// S^T = K Q^T for steps s and s + 1 of chunk c (keys [32 s, 32 s + 64)), or s alone where it
+// is the chunk's last, into the chunk's scores (a row of 16 queries per key); Q^T in tiles
+// 4-5. Two steps take four sums (16 keys each), so that each one's second product comes four
+// products after its first (not right behind it, as with a step's pair of sums alone: ~1.4x
+// the time measured here); two A tiles in turn. Returns the steps issued.
 static inline int key_scores(const Attention *a, const Chunk *c, float *scores, int64_t s) {
-    float *rows = scores + (s - c->s0) * KEYS * 16;
-    if (s + 1 < c->s1) {
-        KEY_SCORES_2(c->it.keys_h, a->D, s, rows);
-        return 2;
+    const int64_t D = a->D;
+    const int two = s + 1 < c->s1;
+    const uint16_t *k0 = c->it.keys_h + s * KEYS * D;
+    float *out = scores + (s - c->s0) * KEYS * 16;
+    _tile_zero(2);
+    _tile_zero(3);
+    if (two) {
+        _tile_zero(6);
+        _tile_zero(7);
     }
-    KEY_SCORES_1(c->it.keys_h, a->D, s, rows);
-    return 1;
+    for (int half = 0; half < D / 32; half++) {
+        const uint16_t *k = k0 + 32 * half;
+        _tile_loadd(0, k, D * 2);
+        TIMES_QUERIES(2, 0, half);
+        _tile_loadd(1, k + 16 * D, D * 2);
+        TIMES_QUERIES(3, 1, half);
+        if (two) {
+            _tile_loadd(0, k + 32 * D, D * 2);
+            TIMES_QUERIES(6, 0, half);
+            _tile_loadd(1, k + 48 * D, D * 2);
+            TIMES_QUERIES(7, 1, half);
+        }
+    }
+    _tile_stored(2, out, 64);
+    _tile_stored(3, out + 16 * 16, 64);
+    if (two) {
+        _tile_stored(6, out + 32 * 16, 64);
+        _tile_stored(7, out + 48 * 16, 64);
+    }
+    return two ? 2 : 1;
 }
+#undef TIMES_QUERIES
 
 // Which of the 16 queries (positions first .. first + 15) see key j: causal.
 static inline __mmask16 visible(int64_t first, int64_t j) {
