@@ -85,11 +85,16 @@ void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, 
         }
 }
 
+// 16 columns of bias from `col` as fp32, zeros where there is no bias.
+static inline __m512 bias16(const uint16_t *bias, int64_t col) {
+    return bias ? load16_bf16(bias + col) : _mm512_setzero_ps();
+}
+
 // Sums of a block of 16 columns for `rows` rows (a C tile stored as fp32 [16][16]) plus
 // bias, rounded to bf16 into y's rows (row stride n) at column `col`.
 static void store_sums(const float sums[16][16], int rows, const uint16_t *bias, int64_t col,
                        uint16_t *y, int64_t n) {
-    const __m512 add = bias ? load16_bf16(bias + col) : _mm512_setzero_ps();
+    const __m512 add = bias16(bias, col);
     for (int r = 0; r < rows; r++) {
         const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r]), add);
         _mm256_storeu_si256((__m256i *)(y + r * n + col), (__m256i)_mm512_cvtneps_pbh(sum));
@@ -174,10 +179,8 @@ static inline void write_rows(const Finished *f, int from, int to, const uint16_
         const float *s0 = f->sums[2 * tile][r], *s1 = f->sums[2 * tile + 1][r];
         if (table) {  // block nb0 of the gate half, and of the up half
             const int64_t half = n / 2;
-            const __m512 g = _mm512_add_ps(_mm512_load_ps(s0),
-                                           bias ? load16_bf16(bias + col) : _mm512_setzero_ps());
-            const __m512 u = _mm512_add_ps(
-                _mm512_load_ps(s1), bias ? load16_bf16(bias + half + col) : _mm512_setzero_ps());
+            const __m512 g = _mm512_add_ps(_mm512_load_ps(s0), bias16(bias, col));
+            const __m512 u = _mm512_add_ps(_mm512_load_ps(s1), bias16(bias, half + col));
             const __m512i g_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g));
             const __m512i u_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(u));
             const __m512 u_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(u_bits, 16));
@@ -185,14 +188,12 @@ static inline void write_rows(const Finished *f, int from, int to, const uint16_
                                 silu_mul16_bf16(g_bits, u_rounded, table));
             continue;
         }
-        const __m512 a = _mm512_add_ps(_mm512_load_ps(s0),
-                                       bias ? load16_bf16(bias + col) : _mm512_setzero_ps());
+        const __m512 a = _mm512_add_ps(_mm512_load_ps(s0), bias16(bias, col));
         if (!f->two_columns) {
             _mm256_storeu_si256((__m256i *)(y + row * n + col), (__m256i)_mm512_cvtneps_pbh(a));
             continue;
         }
-        const __m512 b = _mm512_add_ps(_mm512_load_ps(s1),
-                                       bias ? load16_bf16(bias + col + 16) : _mm512_setzero_ps());
+        const __m512 b = _mm512_add_ps(_mm512_load_ps(s1), bias16(bias, col + 16));
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);
         if (lines) _mm512_stream_si512((void *)(y + row * n + col), both);
         else _mm512_storeu_si512(y + row * n + col, both);
