@@ -11,6 +11,10 @@ does, while Intel CPUs with AMX favour MKL and oneDNN. So a replica times
 each library on its own weights once, at start-up (``GemmPlan.measure``), for each bucket of
 row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row count.
 
+From COLD_SWEEP_ROWS up (a prompt's GEMMs, bound by compute) each weight shape is timed
+apart, and a shape whose own fastest backend is not the bucket's runs on its own (at 1,676
+rows here oneDNN won q/k/v and o, our AMX kernel the down projection by 10-15%).
+
 A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
 the weights of several layers, so each is read cold as in a real decode step. A GGUF model's
 weights may also run on their GGUF blocks ("gguf", engine.kernels.quantized_cpu: a fifth to
@@ -51,7 +55,7 @@ from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 # (the AMX kernel: 2.0 against oneDNN's 2.6 TFLOP/s here), so 512's choice must not reach them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 T = TypeVar("T")
-PLAN_FORMAT = 6  # part of the cache key: plans measured with warm weights at 32-256 rows are stale
+PLAN_FORMAT = 7  # part of the cache key: plans without shape_choices (format 6) are stale
 # Row counts whose plan sweeps every weight cold: at 1 thread and 128 rows the AMX kernel ran
 # a forward's GEMMs ~10% faster than oneDNN, and ~8% slower on weights the caches held.
 COLD_SWEEP_ROWS = 256
@@ -153,19 +157,24 @@ class GemmPlan:
     # bucket → the backend for the weights the choice declines (where it is "gguf" or "amx")
     fallback_choices: dict[int, str] = field(default_factory=dict)
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    # bucket → {weight shape "out x in" → backend}: the shapes whose own fastest backend beats
+    # the bucket's choice by SHAPE_MARGIN (measured from COLD_SWEEP_ROWS up); their fallback
+    # is the bucket's
+    shape_choices: dict[int, dict[str, str]] = field(default_factory=dict)
     # bucket → whether gate_up and SiLU·mul run as one AMX pass (AmxGemm.silu_mul) rather
     # than the bucket's GEMM, then SiLU·mul; a bucket without an entry fuses where it runs AMX
     silu_mul_fused: dict[int, bool] = field(default_factory=dict)
     packed: PackedOneDNN = field(default_factory=PackedOneDNN, repr=False)
     amx: AmxGemm = field(default_factory=AmxGemm, repr=False)
     quantized: QuantizedGemm = field(default_factory=QuantizedGemm, repr=False)
-    # rows → (backend, fallback), filled as row counts come; cleared when packings change
-    _routes: dict[int, tuple[Callable, Callable]] = field(
+    # (rows, weight shape) → (backend, fallback), filled as they come; cleared when packings
+    # change
+    _routes: dict[tuple[int, torch.Size], tuple[Callable, Callable]] = field(
         default_factory=dict, init=False, repr=False
     )
 
     def __post_init__(self) -> None:
-        named = {*self.choices.values(), *self.fallback_choices.values()}
+        named = {*self.choices.values(), *self.fallback_choices.values(), *self._shape_named()}
         unknown = named - set(BACKEND_NAMES)
         if unknown:
             raise ValueError(f"unknown CPU GEMM backend(s) {sorted(unknown)}: {BACKEND_NAMES}")
@@ -180,7 +189,7 @@ class GemmPlan:
         first request would pay ~1 ms per weight), and drop the packings of those it does
         not (measuring left them). ``silu_mul_weights`` (among ``weights``) are packed for
         AMX too where the plan fuses SiLU·mul."""
-        used = {*self.choices.values(), *self.fallback_choices.values()}
+        used = {*self.choices.values(), *self.fallback_choices.values(), *self._shape_named()}
         fused = any(self.silu_mul_fused.values())
         self.packed = self.packed if "onednn-packed" in used else PackedOneDNN()
         self.amx = self.amx if "amx" in used or fused else AmxGemm()
@@ -198,9 +207,20 @@ class GemmPlan:
             raise ValueError("'gguf' runs through GemmPlan.gemm, which has its fallback")
         return {"onednn-packed": self.packed, "amx": self.amx}.get(name) or BACKENDS[name]
 
-    def choice_for(self, rows: int, fallback: bool = False) -> str:
-        choices = self.fallback_choices if fallback else self.choices
+    def _shape_named(self) -> set[str]:
+        return {name for shapes in self.shape_choices.values() for name in shapes.values()}
+
+    def choice_for(
+        self, rows: int, fallback: bool = False, shape: Sequence[int] | None = None
+    ) -> str:
+        """The backend for a GEMM of ``rows`` rows (on a weight of ``shape``, where given),
+        or the one for the weights it declines (``fallback``: the bucket's)."""
         bucket = _bucket(rows)
+        if shape is not None and not fallback:
+            chosen = self.shape_choices.get(bucket, {}).get(shape_key(shape))
+            if chosen is not None:
+                return chosen
+        choices = self.fallback_choices if fallback else self.choices
         chosen = choices.get(bucket) or self.choices.get(bucket, "torch")
         return "torch" if fallback and chosen in PARTIAL_BACKENDS else chosen
 
@@ -212,17 +232,18 @@ class GemmPlan:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` through the plan's backend for x's row count."""
-        rows = x.shape[0]
-        route = self._routes.get(rows)
-        if route is None:  # once per row count: a decode step makes ~120 of these calls
-            route = self._routes[rows] = self._route(rows)
+        key = (x.shape[0], weight.shape)
+        route = self._routes.get(key)
+        if route is None:  # once per row count and shape: a decode step makes ~120 calls
+            route = self._routes[key] = self._route(*key)
         first, fallback = route
         out = first(x, weight, bias)
         return out if out is not None else fallback(x, weight, bias)
 
-    def _route(self, rows: int) -> tuple[Callable, Callable]:
-        """The backend for ``rows``, and the one for the weights it declines."""
-        name = self.choice_for(rows)
+    def _route(self, rows: int, shape: Sequence[int]) -> tuple[Callable, Callable]:
+        """The backend for ``rows`` on a weight of ``shape``, and the one for the weights it
+        declines."""
+        name = self.choice_for(rows, shape=shape)
         if name not in PARTIAL_BACKENDS:
             return self.backend(name), self.backend(name)
         partial = self.quantized if name == "gguf" else self.amx
@@ -270,8 +291,10 @@ class GemmPlan:
 
         Up to COLD_SWEEP_ROWS rows a GEMM still waits on its weights, so those row counts
         sweep every weight, read cold as in a forward; larger ones are compute-bound and
-        sweep 1 / ``cold_layers`` of them. Backends take turns within each repeat, so a
-        burst of another tenant's work slows them alike."""
+        sweep 1 / ``cold_layers`` of them, one weight shape at a time: a bucket's time for a
+        backend is the sum of its shapes', and a shape goes to ``shape_choices`` where another
+        backend beats the bucket's choice on it by SHAPE_MARGIN. Backends take turns within
+        each repeat, so a burst of another tenant's work slows them alike."""
         plan = cls(quantized=quantized or QuantizedGemm())
         dtype = weights[0].dtype
         names = available_backends(dtype, torch.get_num_threads())
@@ -280,23 +303,21 @@ class GemmPlan:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in sizes}
             cold = rows <= COLD_SWEEP_ROWS
             sweep = weights if cold else weights[: max(len(weights) // cold_layers, 4)]
-            runs = {}
-            for name in names:
-                backend = plan.backend(name)
-                try:
-                    backend(inputs[sweep[0].shape[1]], sweep[0], None)
-                except RuntimeError:  # e.g. oneDNN without support for this dtype here
-                    continue
-                runs[name] = lambda b=backend, s=sweep, x=inputs: _sweep(b, s, x)
-            complete = list(runs)  # the backends that take every weight
-            if all(w in plan.quantized.blocks for w in sweep):
-                runs["gguf"] = lambda q=plan.quantized, s=sweep, x=inputs: _sweep(q, s, x)
-            if dtype == torch.bfloat16 and all(AmxGemm.accepts(w) for w in sweep):
-                runs["amx"] = lambda a=plan.amx, s=sweep, x=inputs: _sweep(a, s, x)
-            timings = best_ms_each(runs)
+            usable = plan._usable(names, sweep, inputs)
+            complete = [name for name in usable if name not in PARTIAL_BACKENDS]
+            if cold:
+                timings = best_ms_each(plan._sweeps(usable, sweep, inputs))
+                by_shape = {}
+            else:
+                by_shape = {
+                    shape: best_ms_each(plan._sweeps(usable, group, inputs))
+                    for shape, group in _by_shape(sweep).items()
+                }
+                timings = {n: sum(t[n] for t in by_shape.values()) for n in usable}
             plan.timings_ms[rows] = timings
             plan.choices[rows] = min(timings, key=timings.get)
             plan.fallback_choices[rows] = min(complete, key=timings.get)
+            plan.shape_choices[rows] = _own_choices(by_shape, plan.choices[rows])
             silu_sweep = silu_mul_weights
             if not cold:
                 silu_sweep = silu_mul_weights[: max(len(silu_mul_weights) // cold_layers, 2)]
@@ -318,8 +339,68 @@ class GemmPlan:
                 plan.silu_mul_fused[rows] = silu["fused"] < silu["apart"]
         return plan  # with the sweep's packings: they are the model's weights, packed
 
+    def _usable(
+        self, names: Sequence[str], weights: Sequence[torch.Tensor], inputs: dict
+    ) -> dict[str, Callable]:
+        """Of ``names`` and the partial backends, those that take every one of ``weights``,
+        by name (a backend that raises on them, e.g. oneDNN without this dtype, is left out)."""
+        usable = {}
+        for name in names:
+            backend = self.backend(name)
+            try:
+                backend(inputs[weights[0].shape[1]], weights[0], None)
+            except RuntimeError:
+                continue
+            usable[name] = backend
+        if all(w in self.quantized.blocks for w in weights):
+            usable["gguf"] = self.quantized
+        if weights[0].dtype == torch.bfloat16 and all(AmxGemm.accepts(w) for w in weights):
+            usable["amx"] = self.amx
+        return usable
+
+    @staticmethod
+    def _sweeps(
+        backends: dict[str, Callable], weights: Sequence[torch.Tensor], inputs: dict
+    ) -> dict[str, Callable[[], None]]:
+        return {
+            name: lambda b=backend: _sweep(b, weights, inputs) for name, backend in backends.items()
+        }
+
     def describe(self) -> str:
-        return ", ".join(f"{rows}:{name}" for rows, name in sorted(self.choices.items()))
+        parts = []
+        for rows, name in sorted(self.choices.items()):
+            shapes = self.shape_choices.get(rows, {})
+            own = "".join(f" {shape}:{shapes[shape]}" for shape in sorted(shapes))
+            parts.append(f"{rows}:{name}" + (f" ({own.strip()})" if own else ""))
+        return ", ".join(parts)
+
+
+def shape_key(shape: Sequence[int]) -> str:
+    """A weight shape as shape_choices names it: "out x in"."""
+    return "x".join(str(n) for n in shape)
+
+
+# How much faster than the bucket's choice a shape's own fastest backend must be to take that
+# shape: two backends within the noise of a 3-repeat timing (oneDNN on plain and on packed
+# weights, often) would otherwise split a bucket's shapes by chance.
+SHAPE_MARGIN = 0.05
+
+
+def _own_choices(by_shape: dict[str, dict[str, float]], bucket_choice: str) -> dict[str, str]:
+    """The shapes whose fastest backend beats the bucket's choice on them by SHAPE_MARGIN."""
+    own = {}
+    for shape, timings in by_shape.items():
+        fastest = min(timings, key=timings.get)
+        if timings[fastest] < (1 - SHAPE_MARGIN) * timings[bucket_choice]:
+            own[shape] = fastest
+    return own
+
+
+def _by_shape(weights: Sequence[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    groups: dict[str, list[torch.Tensor]] = {}
+    for weight in weights:
+        groups.setdefault(shape_key(weight.shape), []).append(weight)
+    return groups
 
 
 def _bucket(rows: int) -> int:
@@ -353,6 +434,7 @@ def cached_plan(
         data = {
             "choices": plan.choices,
             "fallback_choices": plan.fallback_choices,
+            "shape_choices": plan.shape_choices,
             "silu_mul_fused": plan.silu_mul_fused,
             "timings_ms": plan.timings_ms,
         }
@@ -362,6 +444,7 @@ def cached_plan(
         return GemmPlan(
             choices={int(k): v for k, v in data["choices"].items()},
             fallback_choices={int(k): v for k, v in data["fallback_choices"].items()},
+            shape_choices={int(k): dict(v) for k, v in data["shape_choices"].items()},
             silu_mul_fused={int(k): bool(v) for k, v in data["silu_mul_fused"].items()},
             quantized=quantized,
         )

@@ -201,6 +201,48 @@ def test_gemm_plan_measures_each_bucket_and_routes_by_rows():
     torch.testing.assert_close(routed.linear(x, w, activation="silu_mul"), F.silu(gate) * up)
 
 
+def test_a_shape_whose_own_fastest_backend_differs_runs_on_it(tmp_path, monkeypatch):
+    """From COLD_SWEEP_ROWS up each weight shape is timed apart: the bucket keeps the backend
+    fastest over all shapes, and a shape where another one wins runs on that one."""
+    import time
+
+    from engine import cpu_gemm
+
+    slow_on = {"torch": (64, 96), "onednn": (96, 64)}  # each backend's slow shape
+
+    def backend(name):
+        def run(x, weight, bias):
+            time.sleep(0.004 if tuple(weight.shape) == slow_on[name] else 0.0)
+            return F.linear(x, weight, bias)
+
+        return run
+
+    monkeypatch.setattr(cpu_gemm, "available_backends", lambda dtype, threads: ["torch", "onednn"])
+    monkeypatch.setitem(cpu_gemm.BACKENDS, "torch", backend("torch"))
+    monkeypatch.setitem(cpu_gemm.BACKENDS, "onednn", backend("onednn"))
+    # three 96x64 weights to one 64x96: oneDNN loses the bucket, but wins the 64x96 shape
+    weights = [torch.randn(96, 64), torch.randn(96, 64), torch.randn(96, 64), torch.randn(64, 96)]
+    rows = cpu_gemm.COLD_SWEEP_ROWS * 2
+    plan = GemmPlan.measure(weights, buckets=(rows,), cold_layers=1)
+    assert plan.choices == {rows: "torch"}
+    assert plan.shape_choices == {rows: {"64x96": "onednn"}}
+    assert plan.timings_ms[rows]["onednn"] > plan.timings_ms[rows]["torch"]
+    assert plan.choice_for(rows, shape=torch.Size([64, 96])) == "onednn"
+    assert plan.choice_for(rows, shape=torch.Size([96, 64])) == "torch"
+    assert plan.choice_for(rows, fallback=True, shape=torch.Size([64, 96])) == "torch"
+    assert plan._route(rows, torch.Size([64, 96]))[0] is cpu_gemm.BACKENDS["onednn"]
+    assert "64x96:onednn" in plan.describe()
+    # kept on disk with the plan: another replica routes the same
+    monkeypatch.setattr(
+        cpu_gemm.GemmPlan, "measure", staticmethod(lambda ws, **kw: plan), raising=True
+    )
+    cpu_gemm.cached_plan(weights, tmp_path)
+    again = cpu_gemm.cached_plan(weights, tmp_path)
+    assert again is not plan and again.shape_choices == plan.shape_choices
+    with pytest.raises(ValueError, match="unknown CPU GEMM backend"):
+        GemmPlan(choices={rows: "torch"}, shape_choices={rows: {"64x96": "mkl-magic"}})
+
+
 def test_openblas_is_offered_only_to_single_thread_workers():
     assert "openblas" in available_backends(torch.float32, 1)
     assert "openblas" not in available_backends(torch.float32, 2)
