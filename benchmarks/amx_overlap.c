@@ -20,6 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../engine/kernels/cpu_native.h"  // amx_configure_16x64, exp2_16: the kernel's own
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -29,37 +31,13 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static void configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
-
 static uint16_t operands[2048] __attribute__((aligned(64)));
 
 enum { NONE, FMA512, PERMUTE512, FMA256, SCALAR, EXP512, EXP256, KINDS };
 static const char *names[KINDS] = {"none",   "fma512", "permute512", "fma256",
                                    "scalar", "exp512", "exp256"};
 
-// The prefill attention kernel's 2^x (exp2_16 there), on 16 and on 8 lanes.
-static inline __m512 exp2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
+// The prefill attention's 2^x (exp2_16, cpu_native.h) on 8 lanes: the same steps.
 static inline __m256 exp2_8(__m256 x) {
     const __m256 n = _mm256_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
@@ -141,7 +119,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "the kernel refused AMX to this process\n");
         return 2;
     }
-    configure();
+    amx_configure_16x64();
     for (int i = 0; i < 2048; i++) operands[i] = (uint16_t)(0x3f80 + i % 7);
     _tile_loadd(0, operands, 64);
     _tile_loadd(1, operands + 512, 64);

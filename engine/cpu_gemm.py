@@ -11,9 +11,9 @@ does, while Intel CPUs with AMX favour MKL and oneDNN. So a replica times
 each library on its own weights once, at start-up (``GemmPlan.measure``), for each bucket of
 row counts (1, 2, 4, ... tokens in a step), and routes every GEMM by its row count.
 
-From COLD_SWEEP_ROWS up (a prompt's GEMMs, bound by compute) each weight shape is timed
-apart, and a shape whose own fastest backend is not the bucket's runs on its own (at 1,676
-rows here oneDNN won q/k/v and o, our AMX kernel the down projection by 10-15%).
+Above COLD_SWEEP_ROWS (a prompt's GEMMs, bound by compute) each weight shape is timed
+apart, and a shape whose own fastest backend beats the bucket's by SHAPE_MARGIN runs on it
+(at 1,676 rows here oneDNN won q/k/v and o, our AMX kernel the down projection by 10-15%).
 
 A GEMV is bound by reading the weights, which do not fit the caches: the measurement sweeps
 the weights of several layers, so each is read cold as in a real decode step. A GGUF model's
@@ -158,7 +158,7 @@ class GemmPlan:
     fallback_choices: dict[int, str] = field(default_factory=dict)
     timings_ms: dict[int, dict[str, float]] = field(default_factory=dict)
     # bucket → {weight shape "out x in" → backend}: the shapes whose own fastest backend beats
-    # the bucket's choice by SHAPE_MARGIN (measured from COLD_SWEEP_ROWS up); their fallback
+    # the bucket's choice by SHAPE_MARGIN (measured above COLD_SWEEP_ROWS); their fallback
     # is the bucket's
     shape_choices: dict[int, dict[str, str]] = field(default_factory=dict)
     # bucket → whether gate_up and SiLU·mul run as one AMX pass (AmxGemm.silu_mul) rather
@@ -370,8 +370,8 @@ class GemmPlan:
         parts = []
         for rows, name in sorted(self.choices.items()):
             shapes = self.shape_choices.get(rows, {})
-            own = "".join(f" {shape}:{shapes[shape]}" for shape in sorted(shapes))
-            parts.append(f"{rows}:{name}" + (f" ({own.strip()})" if own else ""))
+            own = " ".join(f"{shape}:{shapes[shape]}" for shape in sorted(shapes))
+            parts.append(f"{rows}:{name} ({own})" if own else f"{rows}:{name}")
         return ", ".join(parts)
 
 

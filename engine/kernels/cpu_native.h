@@ -118,6 +118,40 @@ static inline float exp_reduced(float clamped, int32_t *n) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#if defined(__AMX_TILE__)
+// Every one of the 8 tiles 16 rows of 64 bytes (the prefill attention's layout).
+static inline void amx_configure_16x64(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+#endif
+
+// 2^x on 16 lanes for x <= 0: x = n + f with |f| <= 1/2, a degree-5 polynomial for 2^f
+// (within 1.8e-7, fitted here on Chebyshev nodes), scalef for 2^n: the prefill attention's
+// softmax (prefill_attention_amx.c; benchmarks/amx_overlap.c times it). That kernel runs with
+// FTZ set, so a result below 2^-126 is 0 rather than a subnormal: a subnormal costs a
+// microcode assist, ~12x the whole kernel's time with such scores measured here. (Degree 4, within
+// 3.7e-6, was 3% faster; but the default model's bf16 logits for the README's question then
+// tied "L" with "The", and greedy decoding took "L": answers that close are not worth 3%.)
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 // 16 bf16 values to fp32 (exact: the upper half of each lane).
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));

@@ -202,7 +202,7 @@ def test_gemm_plan_measures_each_bucket_and_routes_by_rows():
 
 
 def test_a_shape_whose_own_fastest_backend_differs_runs_on_it(tmp_path, monkeypatch):
-    """From COLD_SWEEP_ROWS up each weight shape is timed apart: the bucket keeps the backend
+    """Above COLD_SWEEP_ROWS each weight shape is timed apart: the bucket keeps the backend
     fastest over all shapes, and a shape where another one wins runs on that one."""
     import time
 
