@@ -83,6 +83,17 @@ class PagedKVCache:
             parts += [self.k_scale, self.v_scale]
         return parts
 
+    def payload_views(self, layer: int, block_ids: Sequence[int]) -> list:
+        """The bytes of cache blocks ``block_ids`` of one layer in payload order (K, V, then
+        fp8 scales; one numpy uint8 view per run of consecutive blocks), to read or write
+        in place. CPU caches only."""
+        runs = block_runs(block_ids)
+        views = []
+        for tensor in self.tensors():
+            rows = byte_rows(tensor[layer])
+            views += [rows[first : first + n] for first, _, n in runs]
+        return views
+
     def scatter(
         self,
         layer: int,

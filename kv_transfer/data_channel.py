@@ -3,8 +3,9 @@ per stream that carries its kv frames, negotiated in the gRPC handshake (kv_tran
 
 Receiver side: :class:`DataListener` accepts connections, checks their preamble (token,
 one-use ticket) and hands each to the stream that issued the ticket; :func:`receive_frames`
-reads a stream's frames ahead into reused buffers. Sender side: :func:`connect` and
-:func:`send_frame`.
+reads a stream's frames ahead, each kv payload straight into the cache blocks it is for where
+the stream says where (``place``), other frames into reused buffers. Sender side:
+:func:`connect` and :func:`send_frame`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest frame either channel accepts
 PREAMBLE_TIMEOUT_S = 5.0
 POLL_S = 0.25  # how often a blocked receive looks at the call's state
 _DATA_BUFFERS = 3  # receive buffers per data channel (frames read ahead of the one stored)
+# A frame's first bytes, read before the rest to find where its payload goes: its meta (a
+# kv frame's is ~70 bytes) and the payload's length. A frame this small is read whole.
+_HEAD_BYTES = 256
+_IOV_MAX = 512  # buffers per recvmsg_into call (Linux takes up to 1,024)
+
+# Where a kv frame's payload goes, asked by the reader once the frame's meta has come:
+# place(meta, payload length, fill) calls fill(views) (the views' sizes add up to the
+# length; fill receives the payload into them, in order) and returns the views, or returns
+# None without calling it: the frame is then received into a buffer and checked whole.
+Place = Callable[[bytes, int, Callable[[list], None]], list | None]
 
 
 @dataclass
@@ -190,17 +201,22 @@ def send_frame(sock: socket.socket, frame) -> None:
 
 
 def receive_frames(
-    conn: socket.socket, check_alive: Callable[[], None], close: Callable[[], None]
+    conn: socket.socket,
+    check_alive: Callable[[], None],
+    close: Callable[[], None],
+    place: Place | None = None,
 ) -> Iterator[wire.WireFrame]:
     """A stream's frames from its data connection, until the zero length that ends them. A
-    reader thread receives them into a few reused buffers while the caller checks and stores
-    the previous one; each frame is valid until the next is asked for. ``check_alive`` raises
-    when the stream is dead; ``close`` unblocks the reader's receive."""
+    reader thread receives them while the caller checks and stores the previous one: a kv
+    frame's payload where ``place`` puts it (the frame's payload is then ``wire.Landed``:
+    not yet checked), every other frame into a few reused buffers; each frame is valid until
+    the next is asked for. ``check_alive`` raises when the stream is dead; ``close``
+    unblocks the reader's receive."""
 
-    def recv_into(view: memoryview) -> None:
-        while view:
+    def receive(call: Callable[[], int]) -> int:
+        while True:
             try:
-                got = conn.recv_into(view)
+                got = call()
             except TimeoutError:
                 check_alive()
                 continue
@@ -208,7 +224,64 @@ def receive_frames(
                 raise FrameError(f"KV data connection broken: {err}") from None
             if got == 0:
                 raise FrameError("KV data channel truncated: the connection closed mid-stream")
-            view = view[got:]
+            return got
+
+    def recv_into(view: memoryview) -> None:
+        while view:
+            view = view[receive(lambda v=view: conn.recv_into(v)) :]
+
+    def recv_views(views: list[memoryview]) -> None:
+        if isinstance(conn, ssl.SSLSocket):  # no recvmsg_into
+            for view in views:
+                recv_into(view)
+            return
+        first = 0
+        while first < len(views):
+            batch = views[first : first + _IOV_MAX]
+            got = receive(lambda b=batch: conn.recvmsg_into(b)[0])
+            while first < len(views) and got >= views[first].nbytes:
+                got -= views[first].nbytes
+                first += 1
+            if got:
+                views[first] = views[first][got:]
+
+    def land(head: memoryview, size: int) -> wire.WireFrame | None:
+        """The frame whose first bytes are ``head``, its payload received where ``place``
+        puts it; None where it puts nothing (nothing more has been read)."""
+        span = wire.payload_span(head)
+        if span is None:
+            return None
+        tag, start, length = span
+        if start + length <= head.nbytes or start + length > size:
+            return None  # all in the head already, or runs past the frame: read it whole
+        prefix = bytes(head[:tag])  # the meta field
+        parsed = wire.parse_wire(prefix)
+        if parsed.error:
+            return None
+        landed: list[memoryview] = []
+
+        def fill(views: list) -> None:
+            targets = [memoryview(v).cast("B") for v in views]
+            if sum(t.nbytes for t in targets) != length:
+                raise FrameError(f"a kv payload of {length} bytes placed in views of another size")
+            landed.extend(targets)
+            inline, rest = head[start:], []
+            for target in targets:  # the payload's first bytes came with the head
+                n = min(inline.nbytes, target.nbytes)
+                target[:n] = inline[:n]
+                inline = inline[n:]
+                if n < target.nbytes:
+                    rest.append(target[n:])
+            recv_views(rest)
+
+        if place(bytes(parsed.meta), length, fill) is None:
+            return None
+        tail = memoryview(bytearray(size - start - length))  # the crc field
+        recv_into(tail)
+        frame = wire.parse_wire(prefix + bytes(tail))
+        if frame.error or frame.payload:
+            return wire.WireFrame(b"", b"", 0, frame.error or "two payload fields")
+        return wire.WireFrame(frame.meta, wire.Landed(tuple(landed), length), frame.crc32)
 
     free: queue.Queue = queue.Queue()
     for _ in range(_DATA_BUFFERS):
@@ -218,6 +291,7 @@ def receive_frames(
 
     def read() -> None:
         header = memoryview(bytearray(4))
+        head = memoryview(bytearray(_HEAD_BYTES))
         try:
             while not stop.is_set():
                 try:
@@ -231,10 +305,16 @@ def receive_frames(
                     return
                 if size > MAX_MESSAGE_BYTES:
                     raise FrameError(f"data frame of {size} bytes (limit {MAX_MESSAGE_BYTES})")
-                if size > buf.nbytes:
-                    buf = memoryview(bytearray(size))
-                recv_into(buf[:size])
-                ready.put((buf, size))
+                got, frame = 0, None
+                if place is not None and size > _HEAD_BYTES:
+                    recv_into(head)
+                    got, frame = _HEAD_BYTES, land(head, size)
+                if frame is None:
+                    if size > buf.nbytes:
+                        buf = memoryview(bytearray(size))
+                    buf[:got] = head[:got]
+                    recv_into(buf[got:size])
+                ready.put((buf, size, frame))
         except BaseException as err:  # handed to the caller's thread, which raises it
             ready.put(err)
 
@@ -251,8 +331,8 @@ def receive_frames(
                 return
             if isinstance(item, BaseException):
                 raise item
-            buf, size = item
-            yield wire.parse_wire(buf[:size])
+            buf, size, frame = item
+            yield frame if frame is not None else wire.parse_wire(buf[:size])
             free.put(buf)
     finally:
         stop.set()

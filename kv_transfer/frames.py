@@ -63,6 +63,7 @@ import crc32c
 import msgpack
 
 from kv_transfer.errors import FrameError, HandshakeError
+from kv_transfer.wire import Landed
 
 # 5: frames of several layers, the data channel offer answered; 4: NIXL reads the sender's
 # cache in place; 3: streams of some KV heads; 2: CRC32C checksums (1: zlib CRC-32)
@@ -123,7 +124,7 @@ class KVFrame:
     layer: int  # the first of the frame's layers
     block_start: int
     block_count: int
-    payload: bytes | memoryview  # per layer, one payload of block_count blocks
+    payload: bytes | memoryview | Landed  # per layer, one payload of block_count blocks
     layer_count: int = 1
 
     @property
@@ -332,12 +333,13 @@ def _heads(meta: dict, fingerprint: dict) -> tuple[int, int] | None:
     return value[0], value[1]
 
 
-def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
+def decode_frame(meta: bytes, payload: bytes | Landed, crc: int) -> Frame:
     """Verify and parse one frame. Raises FrameError (checksum, metadata, types, ranges)."""
     if len(meta) > MAX_META_BYTES:
         raise FrameError(f"frame metadata is {len(meta)} bytes (limit {MAX_META_BYTES})")
-    if checksum(meta, payload) != crc:
-        if zlib.crc32(payload, zlib.crc32(meta)) == crc:
+    landed = isinstance(payload, Landed)
+    if (checksum_parts(meta, payload.parts) if landed else checksum(meta, payload)) != crc:
+        if not landed and zlib.crc32(payload, zlib.crc32(meta)) == crc:
             raise HandshakeError(
                 f"the peer speaks KV transfer protocol version 1 (zlib CRC-32 checksums); this "
                 f"side speaks {PROTOCOL_VERSION} (CRC32C): run the same pdcluster version on "
@@ -360,6 +362,8 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
             payload=payload,
             layer_count=layer_count,
         )
+    if landed:  # only a kv frame is written in place (peek_kv)
+        raise FrameError(f"a {kind!r} frame carries no payload, got {payload.nbytes} bytes")
     if payload:
         raise FrameError(f"a {kind!r} frame carries no payload, got {len(payload)} bytes")
     if kind == READY:
@@ -413,6 +417,23 @@ def decode_frame(meta: bytes, payload: bytes, crc: int) -> Frame:
     if kind == DATA_ANSWER:
         return DataAnswer(connected=_bool(fields, "connected"))
     raise FrameError(f"unknown frame type {kind!r}")
+
+
+def peek_kv(meta: bytes) -> tuple[int, int, int, int] | None:
+    """(layer, block_start, block_count, layer_count) of a kv frame's metadata, read before
+    its checksum is known (to place the payload); None for anything else, which then goes
+    the checked way (decode_frame refuses it with its reason)."""
+    try:
+        fields = msgpack.unpackb(meta, raw=False, strict_map_key=True)
+    except Exception:
+        return None
+    if not isinstance(fields, dict) or fields.get("type") != KV:
+        return None
+    values = [fields.get(k) for k in ("layer", "block_start", "block_count")]
+    values.append(fields.get("layer_count", 1))
+    if not all(_is_int(v) for v in values) or min(values[2:]) < 1:
+        return None
+    return tuple(values)
 
 
 def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

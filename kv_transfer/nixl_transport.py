@@ -39,7 +39,7 @@ import crc32c
 import numpy as np
 import torch
 
-from engine.kv_cache import PagedKVCache, block_runs, byte_rows
+from engine.kv_cache import PagedKVCache, byte_rows
 from kv_transfer import frames
 from kv_transfer.codec import dtype_name
 from kv_transfer.connector import (
@@ -125,7 +125,7 @@ class NixlSendStream(KVSendStream):
     reads_in_place = True
 
     def __init__(self, cache: PagedKVCache, tracker: ReadTracker, stream: TransferStream) -> None:
-        self._parts = cache.tensors()
+        self._cache = cache
         self._tracker = tracker
         self._stream = stream
         self._lease_id = stream.handshake.lease_id
@@ -139,11 +139,7 @@ class NixlSendStream(KVSendStream):
 
     def send_layer(self, layer: int, block_ids: torch.Tensor, first_block: int = 0) -> None:
         ids = block_ids.tolist()
-        runs = block_runs(ids)
-        data = []  # views of the blocks' bytes, in payload order: no copy
-        for tensor in self._parts:
-            rows = byte_rows(tensor[layer])
-            data += [rows[first : first + n] for first, _, n in runs]
+        data = self._cache.payload_views(layer, ids)  # the blocks' bytes: no copy
         if not self._holding:
             self._holding = True
             self._tracker.agent.hold()  # progress while receivers READ our cache

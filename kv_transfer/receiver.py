@@ -15,9 +15,11 @@ Fast path: the Push method is registered with a hand-written deserializer
 and goes into the cache through ``torch.frombuffer`` without a copy of its own. A handshake
 asking for a data channel gets one when ``data_channel=True`` here: the server
 sends the port of its data listener and a one-use ticket as gRPC initial metadata; the
-sender's TCP (TLS when the server is) connection must present the same token and the ticket;
-its kv frames are received into a reused buffer, then checked and stored exactly as frames
-from the gRPC stream are. The end frame and the status stay on gRPC.
+sender's TCP (TLS when the server is) connection must present the same token and the ticket.
+Its kv frames are checked as frames from the gRPC stream are; where the cache keeps a
+payload's bytes as they are, the payload is received straight into the lease's blocks and
+checked there (``_place_in_cache``), else into a reused buffer and then copied. The end frame
+and the status stay on gRPC.
 
 Thread-safety: gRPC runs handlers on a thread pool; handlers share only the lease table (its
 lock) and the counters (their own lock). Callers: the decode worker constructs, ``start``s and
@@ -45,6 +47,7 @@ from kv_transfer.data_channel import (
     MAX_MESSAGE_BYTES,
     POLL_S,
     DataListener,
+    Place,
     receive_frames,
     tls_context,
 )
@@ -381,6 +384,46 @@ class _Transfer:
         if self._cancelled():
             raise KVTransferError("KV stream broken or cancelled by the sender", "CANCELLED")
 
+    def _place_in_cache(
+        self, spec: WireSpec, lease: Lease, block_ids, heads: slice
+    ) -> Place | None:
+        """Where the data channel's reader puts a kv frame's payload as it arrives: straight
+        into the lease's blocks (one copy, the socket's, instead of two), wherever the cache
+        keeps the payload's bytes as they are: on the CPU, in the payload's dtype, with all
+        the stream's heads. The bytes land before their checksum is known, as a NIXL READ's
+        do: only in blocks of this lease, through the lease table (nothing lands after the
+        lease ended, and the blocks stay out of the pool until the receive has ended), and
+        the lease completes only after every frame's checksum passed. None where the cache
+        takes the payload otherwise (decoded, cast, some heads): each frame is then received
+        into a buffer and copied."""
+        cache = self.cache
+        if (
+            cache.device.type != "cpu"
+            or spec.dtype != cache.dtype
+            or heads != slice(0, cache.num_kv_heads)
+        ):
+            return None
+        leases = self.server.leases
+
+        def place(meta: bytes, length: int, fill) -> list | None:
+            kv = frames.peek_kv(meta)
+            if kv is None:
+                return None
+            layer, start, count, layer_count = kv
+            if (
+                layer + layer_count > cache.num_layers
+                or start + count > len(block_ids)
+                or length != spec.chunk_bytes(count) * layer_count
+            ):
+                return None  # received whole; the checks say what is wrong with it
+            ids = block_ids[start : start + count]
+            layers = range(layer, layer + layer_count)
+            views = [view for i in layers for view in cache.payload_views(i, ids)]
+            leases.write(lease, fill, views)
+            return views
+
+        return place
+
     def _receive_layers(self, it, spec: WireSpec, lease: Lease) -> None:
         cache, leases = self.cache, self.server.leases
         num_layers, num_blocks = cache.num_layers, len(lease.block_ids)
@@ -396,8 +439,9 @@ class _Transfer:
         heads = slice(self.heads[0] - lo, self.heads[1] - lo)  # of this cache's heads
         num_kv_frames = 0
         if self.data is not None:
+            place = self._place_in_cache(spec, lease, block_ids, heads)
             messages = _chain(
-                receive_frames(self.data, self._check_alive, self.close_data), it, self
+                receive_frames(self.data, self._check_alive, self.close_data, place), it, self
             )
         else:
             messages = it
@@ -435,7 +479,8 @@ class _Transfer:
                 leases.write(lease, self.nixl.read, lease.lease_id, frame, ids, self._cancelled)
                 self.payload_bytes += frame.nbytes
             else:
-                payload = memoryview(frame.payload)
+                landed = isinstance(frame.payload, wire.Landed)  # already in the lease's blocks
+                payload = frame.payload if landed else memoryview(frame.payload)
                 size = spec.chunk_bytes(count)  # of one layer
                 if payload.nbytes != size * frame.layer_count:
                     raise FrameError(
@@ -444,7 +489,7 @@ class _Transfer:
                     )
                 ids = block_ids[start : start + count]
                 with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
-                    for i, layer in enumerate(frame.layers):
+                    for i, layer in enumerate(() if landed else frame.layers):
                         chunk = payload[i * size : (i + 1) * size]
                         blocks = LayerKV(
                             *decode_chunk(chunk, count, spec, cache.dtype, cache.device)

@@ -62,12 +62,22 @@ class WireFrame:
     ``error`` says why the buffer is not a valid Frame encoding (the fields are then empty)."""
 
     meta: memoryview | bytes
-    payload: memoryview | bytes
+    payload: memoryview | bytes | Landed
     crc32: int
     error: str | None = None
 
 
 _EMPTY = memoryview(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A kv frame's payload that the receiver wrote straight into the lease's cache blocks
+    as it came off the data channel (data_channel.receive_frames): its bytes there, in
+    payload order. The frame's checksum is taken over them before the lease can complete."""
+
+    parts: tuple[memoryview, ...]  # contiguous byte views of the cache's blocks
+    nbytes: int
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -131,6 +141,25 @@ def parse_wire(data) -> WireFrame:
     except ValueError as err:
         return WireFrame(_EMPTY, _EMPTY, 0, f"malformed Frame message: {err}")
     return WireFrame(meta, payload, crc)
+
+
+def payload_span(head: memoryview) -> tuple[int, int, int] | None:
+    """For a Frame message whose first bytes are ``head``, laid out as :func:`wire_parts`
+    writes it (the meta field, then the payload's tag and length): (where the payload's tag
+    is, where the payload starts, its length); the meta field is ``head[:tag]``. None for
+    any other layout, or a head too short to tell."""
+    end = len(head)
+    try:
+        if end < 1 or head[0] != _META_TAG:
+            return None
+        meta_len, pos = _read_varint(head, 1, end)
+        tag = pos + meta_len
+        if tag >= end or head[tag] != _PAYLOAD_TAG:
+            return None
+        payload_len, start = _read_varint(head, tag + 1, end)
+    except ValueError:  # truncated within the head
+        return None
+    return tag, start, payload_len
 
 
 def data_preamble(token: str, ticket: str) -> bytes:

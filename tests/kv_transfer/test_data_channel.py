@@ -6,15 +6,17 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import grpc
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_transfer import KVSender, frames, wire
-from kv_transfer.codec import encode_layer, layer_chunk_parts
+from kv_transfer.codec import FP8, encode_layer, layer_chunk_parts
 from kv_transfer.receiver import grpc_options
 from kv_transfer.sender import PUSH_METHOD
 from protos import kv_transfer_pb2
@@ -147,6 +149,90 @@ def test_round_trip_with_and_without_the_data_channel(sender_wants, receiver_off
         assert r.server.stats.bytes_received == result.payload_bytes
     finally:
         r.server.stop(0)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, source_dtype, wire_dtype, lands",
+    [
+        (torch.bfloat16, torch.bfloat16, "passthrough", True),
+        (FP8, FP8, "fp8", True),  # pages and scales as they are
+        (torch.bfloat16, torch.float32, "passthrough", False),  # cast on the way in
+    ],
+)
+def test_kv_payloads_land_in_the_lease_blocks_as_they_arrive(
+    cache_dtype, source_dtype, wire_dtype, lands
+):
+    """Where the cache keeps the payload's bytes as they are, the data channel's reader
+    receives each kv payload straight into the lease's blocks (no buffer, no copy after);
+    elsewhere the frame is buffered, decoded and copied. Same bytes either way."""
+    r = start_receiver(cache_dtype, data_channel=True)
+    copies = []
+    scatter = r.cache.scatter
+    r.cache.scatter = lambda *a: copies.append(a[0]) or scatter(*a)
+    try:
+        lease = r.leases.reserve("req-land", 3 * BLOCK_SIZE + 5)
+        others = [b for b in range(r.cache.num_blocks) if b not in set(lease.block_ids)]
+        before = snapshot(r.cache)
+        k, v = _layers(4)
+        k, v = k.to(source_dtype), v.to(source_dtype)
+        heads = MODEL.num_kv_heads
+        scales = [torch.rand(L, 4, heads) + 0.1, torch.rand(L, 4, heads) + 0.1]
+        with KVSender(r.address, TOKEN, data_channel=True, max_frame_bytes=4096) as sender:
+            stream = sender.open(
+                "req-land", lease.lease_id, FINGERPRINT, BLOCK_SIZE, lease.num_tokens, L,
+                wire_dtype, source_dtype,
+            )  # fmt: skip
+            for layer in range(L):
+                pages = (scales[0][layer], scales[1][layer]) if wire_dtype == "fp8" else ()
+                stream.send_layer(layer, k[layer], v[layer], *pages)
+            stream.finish(first_token=3)
+        assert stream.used_data_channel and stream.num_frames > 3 + L  # several per layer
+        assert lease.state == "complete"
+        assert (copies == []) == lands
+        ids = lease.block_ids
+        assert equal_bytes(r.cache.k[:, ids], k.to(cache_dtype))
+        assert equal_bytes(r.cache.v[:, ids], v.to(cache_dtype))
+        if r.cache.is_fp8:
+            assert torch.equal(r.cache.k_scale[:, ids], scales[0])
+            assert torch.equal(r.cache.v_scale[:, ids], scales[1])
+        for old, new in zip(before, snapshot(r.cache), strict=True):
+            assert equal_bytes(old[:, others], new[:, others])
+    finally:
+        r.server.stop(0)
+
+
+def test_a_frame_for_a_lease_that_ended_lands_nowhere(receiver):
+    """The lease is released (expired, say) while its sender is on the data channel: the
+    frames that come after it write nothing, in its blocks (back in the pool) or others."""
+    lease = receiver.leases.reserve("req-gone", 2 * BLOCK_SIZE)
+    before = snapshot(receiver.cache)
+    k, v = _layers(2, seed=7)
+    good = [f for layer in range(L) for f in _kv_wire(layer, k[layer], v[layer])]
+
+    def data():
+        receiver.leases.release(lease.lease_id, "test: expired")
+        time.sleep(0.2)
+        yield from good
+
+    code, _ = push_over_data_channel(receiver.address, lease, data())
+    assert code != grpc.StatusCode.OK
+    for old, new in zip(before, snapshot(receiver.cache), strict=True):
+        assert equal_bytes(old, new)
+    assert receiver.free_blocks() == receiver.cache.num_blocks
+
+
+def test_payload_span_finds_the_payload_of_frames_laid_out_as_sent():
+    meta, parts, crc = frames.encode_kv_parts(2, 0, 1, [b"x" * 300])
+    data = b"".join(wire.wire_parts(meta, parts, crc))
+    tag, start, length = wire.payload_span(memoryview(data)[:256])
+    assert data[:tag] == b"\x0a" + bytes([len(meta)]) + meta
+    assert (length, data[start : start + length]) == (300, b"x" * 300)
+    assert frames.peek_kv(meta) == (2, 0, 1, 1)
+    crc_first = b"\x1d" + data[-4:] + data[:-5]  # valid protobuf, another layout
+    assert wire.payload_span(memoryview(crc_first)) is None
+    assert wire.payload_span(memoryview(data)[: len(meta) + 2]) is None  # too short to tell
+    for other in (frames.encode_end(1, 2)[0], b"\x80", msgpack.packb({"type": "kv"})):
+        assert frames.peek_kv(other) is None
 
 
 def test_a_data_port_out_of_reach_falls_back_to_grpc_and_is_not_asked_again(receiver):
@@ -294,7 +380,10 @@ def _data_connect_to(address, metadata):
 def _cases(k, v):
     good = [f for layer in range(L) for f in _kv_wire(layer, k[layer], v[layer])]
     bad_crc = _kv_wire(0, k[0], v[0], corrupt=True)
+    flipped = bytearray(good[0])
+    flipped[len(flipped) // 2] ^= 0x10  # a payload byte, already in the lease's blocks
     return {
+        "corrupted byte": ([bytes(flipped), *good[1:]], {}, "INVALID_ARGUMENT", "checksum"),
         "good": (good, {}, "OK", ""),
         "bad checksum": ([*bad_crc, *good[1:]], {}, "INVALID_ARGUMENT", "checksum"),
         "truncated": ([good[0][:100]], {"finish": False}, "INVALID_ARGUMENT", "truncated"),
@@ -309,6 +398,7 @@ def _cases(k, v):
     "case",
     [
         "good",
+        "corrupted byte",
         "bad checksum",
         "truncated",
         "too large",

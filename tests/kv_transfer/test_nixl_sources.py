@@ -149,7 +149,7 @@ def test_kv_ready_frames_name_the_source_blocks_and_checksum_them_in_order():
     frame = frames.decode_frame(meta, payload, crc)
     assert (frame.layer, frame.block_start, frame.seq) == (2, 1, 0)
     assert frame.source_blocks == (5, 6, 1)
-    cache = stream._parts
+    cache = stream._cache.tensors()
     expected = 0
     for tensor in cache:
         rows = tensor[2].reshape(tensor.shape[1], -1).view(torch.uint8).numpy()
