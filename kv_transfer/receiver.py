@@ -487,14 +487,20 @@ class _Transfer:
                         f"payload of {frame.layer_count} layers of {count} blocks must be "
                         f"{size * frame.layer_count} bytes, got {payload.nbytes}"
                     )
-                ids = block_ids[start : start + count]
-                with torch.cuda.stream(copies) if copies is not None else contextlib.nullcontext():
-                    for i, layer in enumerate(() if landed else frame.layers):
-                        chunk = payload[i * size : (i + 1) * size]
-                        blocks = LayerKV(
-                            *decode_chunk(chunk, count, spec, cache.dtype, cache.device)
-                        )
-                        leases.write(lease, cache.scatter, layer, ids, blocks, heads)
+                if not landed:
+                    ids = block_ids[start : start + count]
+                    on_side_stream = (
+                        torch.cuda.stream(copies)
+                        if copies is not None
+                        else contextlib.nullcontext()
+                    )
+                    with on_side_stream:
+                        for i, layer in enumerate(frame.layers):
+                            chunk = payload[i * size : (i + 1) * size]
+                            blocks = LayerKV(
+                                *decode_chunk(chunk, count, spec, cache.dtype, cache.device)
+                            )
+                            leases.write(lease, cache.scatter, layer, ids, blocks, heads)
                 self.payload_bytes += payload.nbytes
             for layer in frame.layers:
                 next_block[layer] += count
