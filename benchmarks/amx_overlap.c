@@ -37,16 +37,17 @@ enum { NONE, FMA512, PERMUTE512, FMA256, SCALAR, EXP512, EXP256, KINDS };
 static const char *names[KINDS] = {"none",   "fma512", "permute512", "fma256",
                                    "scalar", "exp512", "exp256"};
 
-// The prefill attention's 2^x (exp2_16, cpu_native.h) on 8 lanes: the same steps.
+// The prefill attention's 2^x (exp2_16, cpu_native.h) on 8 lanes: the same steps and the
+// same coefficients (EXP2_C5 .. EXP2_C0).
 static inline __m256 exp2_8(__m256 x) {
     const __m256 n = _mm256_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.3218672247603536e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.671698324382305e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550893023610115e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022237956523895e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931468844413757e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_C5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
     return _mm256_scalef_ps(p, n);
 }
 

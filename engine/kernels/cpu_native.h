@@ -140,15 +140,25 @@ static inline void amx_configure_16x64(void) {
 // microcode assist, ~12x the whole kernel's time with such scores measured here. (Degree 4, within
 // 3.7e-6, was 3% faster; but the default model's bf16 logits for the README's question then
 // tied "L" with "The", and greedy decoding took "L": answers that close are not worth 3%.)
+// The polynomial's coefficients, highest degree first (Horner): one definition for every
+// width that evaluates it (benchmarks/amx_overlap.c times it on 8 lanes too). Literals, not
+// a table: the kernel's code stays as it was compiled with them written out.
+#define EXP2_C5 1.3218672247603536e-3f
+#define EXP2_C4 9.671698324382305e-3f
+#define EXP2_C3 5.550893023610115e-2f
+#define EXP2_C2 2.4022237956523895e-1f
+#define EXP2_C1 6.931468844413757e-1f
+#define EXP2_C0 1.0f
+
 static inline __m512 exp2_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3218672247603536e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.671698324382305e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893023610115e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022237956523895e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931468844413757e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_C5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
     return _mm512_scalef_ps(p, n);
 }
 
