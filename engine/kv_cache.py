@@ -76,6 +76,16 @@ class PagedKVCache:
 
         return LayerKV(take(self.k), take(self.v), take(self.k_scale), take(self.v_scale))
 
+    def gather_layers(self, first_layer: int, layer_count: int, block_ids: torch.Tensor) -> LayerKV:
+        """``gather`` of layers ``[first_layer, first_layer + layer_count)`` at once, each
+        tensor with a leading layer axis: [L, n, bs, Hkv, D] (scales [L, n, Hkv])."""
+        layers = slice(first_layer, first_layer + layer_count)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[layers].index_select(1, block_ids)
+
+        return LayerKV(take(self.k), take(self.v), take(self.k_scale), take(self.v_scale))
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a block has a row in, in payload order: K, V, then (fp8) their scales."""
         parts = [self.k, self.v]

@@ -87,7 +87,8 @@ class WireSpec:
 
 @dataclass(frozen=True)
 class EncodedLayer:
-    """One layer ready for the wire: contiguous CPU tensors."""
+    """One layer ready for the wire: contiguous CPU tensors (from ``encode_layers``: several
+    layers', each with a leading layer axis)."""
 
     k: torch.Tensor  # [n, bs, Hkv, D] payload dtype
     v: torch.Tensor
@@ -96,16 +97,20 @@ class EncodedLayer:
 
 
 def _quantize(x: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = quantize_kv_blocks(x)
-    tail = num_tokens % x.shape[1]
+    """x [..., n, bs, Hkv, D] (a leading index per layer, the same blocks in each) -> fp8 of
+    that shape and scales [..., n, Hkv], in one pass over every layer's blocks."""
+    blocks = x.shape[-4:]
+    q, scale = quantize_kv_blocks(x.reshape(-1, *blocks[1:]))
+    q, scale = q.view(x.shape), scale.view(*x.shape[:-3], blocks[2])
+    tail = num_tokens % x.shape[-3]
     if tail:
         # Rows past the last token hold stale data; their amax must not coarsen the scale of
-        # the real rows. Requantise only the last block, from a zeroed copy.
-        last = x[-1:].clone()
-        last[:, tail:] = 0
-        q_last, s_last = quantize_kv_blocks(last)
-        q[-1:] = q_last
-        scale[-1:] = s_last
+        # the real rows. Requantise only the last block (of each layer), from a zeroed copy.
+        last = x[..., -1:, :, :, :].clone()
+        last[..., tail:, :, :] = 0
+        q_last, s_last = quantize_kv_blocks(last.reshape(-1, *blocks[1:]))
+        q[..., -1:, :, :, :] = q_last.view(last.shape)
+        scale[..., -1:, :] = s_last.view(*last.shape[:-3], blocks[2])
     return q, scale
 
 
@@ -129,6 +134,30 @@ def encode_layer(
             f"k and v blocks must both be [n, block_size, kv_heads, head_dim], got "
             f"{tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}"
         )
+    return _encode(k_blocks, v_blocks, wire_dtype, num_tokens, k_scale, v_scale)
+
+
+def encode_layers(
+    k_layers: torch.Tensor,
+    v_layers: torch.Tensor,
+    *,
+    wire_dtype: str,
+    num_tokens: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> EncodedLayer:
+    """``encode_layer`` over the same blocks of several layers at once: ``[L, n, bs, Hkv, D]``
+    (scales ``[L, n, Hkv]``) → an EncodedLayer whose tensors keep the leading layer axis. The
+    same bytes per layer as ``encode_layer`` of each, in one quantisation pass."""
+    if k_layers.shape != v_layers.shape or k_layers.dim() != 5:
+        raise ValueError(
+            f"k and v layers must both be [layers, n, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_layers.shape)} and {tuple(v_layers.shape)}"
+        )
+    return _encode(k_layers, v_layers, wire_dtype, num_tokens, k_scale, v_scale)
+
+
+def _encode(k_blocks, v_blocks, wire_dtype, num_tokens, k_scale, v_scale) -> EncodedLayer:
     source_fp8 = k_blocks.dtype == FP8
     if source_fp8 != (k_scale is not None and v_scale is not None):
         raise ValueError("scales must be given exactly when the blocks are fp8")
@@ -172,6 +201,17 @@ def layer_chunk_parts(
         yield start, stop - start, [view[start * row : stop * row] for view, row in views]
 
 
+def stacked_layer_parts(layers: EncodedLayer) -> list[list[memoryview]]:
+    """Per layer of an ``encode_layers`` result, all its blocks' payload parts (K rows, V rows,
+    then K and V scales: flat memoryviews of the tensors, not copies), as
+    ``layer_chunk_parts`` gives a layer's parts when one frame takes all its blocks."""
+    tensors = [layers.k, layers.v]
+    if layers.k_scale is not None:
+        tensors += [layers.k_scale, layers.v_scale]
+    views = [_flat(t) for t in tensors]  # a layer per row
+    return [[view[i * row : (i + 1) * row] for view, row in views] for i in range(len(layers.k))]
+
+
 def layer_chunks(layer: EncodedLayer, blocks_per_frame: int) -> Iterator[tuple[int, int, bytes]]:
     """(block_start, block_count, payload) per frame: K rows, V rows, then K and V scales."""
     for start, count, parts in layer_chunk_parts(layer, blocks_per_frame):
@@ -208,7 +248,46 @@ def decode_chunk(
     heads = spec.num_kv_heads
     k_scale = view(2 * span, torch.float32, block_count * heads).view(block_count, heads)
     v_scale = view(2 * span + 4 * block_count * heads, torch.float32, block_count * heads)
-    v_scale = v_scale.view(block_count, heads)
+    return _from_fp8(k, v, k_scale, v_scale.view(block_count, heads), cache_dtype, device)
+
+
+def decode_layers(
+    payload: bytes | memoryview,
+    layer_count: int,
+    block_count: int,
+    spec: WireSpec,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``decode_chunk`` of a frame of ``layer_count`` layers (one chunk each, in order) at
+    once: (k, v, k_scale, v_scale) with a leading layer axis, [L, n, bs, Hkv, D] (scales
+    [L, n, Hkv]); the fp8 payload dequantised in one pass. The same values as
+    ``decode_chunk`` of each layer's chunk."""
+    size = spec.chunk_bytes(block_count)
+    if memoryview(payload).nbytes != size * layer_count:
+        raise FrameError(
+            f"payload of {layer_count} layers of {block_count} blocks must be "
+            f"{size * layer_count} bytes, got {memoryview(payload).nbytes}"
+        )
+    rows = torch.frombuffer(payload, dtype=torch.uint8).view(layer_count, size)
+    shape = (layer_count, block_count, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    span = block_count * spec.block_bytes
+
+    def part(start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        # every layer's bytes of one part, gathered contiguous (a copy: small frames only)
+        return rows[:, start:stop].contiguous().view(dtype).to(device)
+
+    k = part(0, span, spec.dtype).view(shape)
+    v = part(span, 2 * span, spec.dtype).view(shape)
+    if not spec.is_fp8:
+        return k.to(cache_dtype), v.to(cache_dtype), None, None
+    scales = part(2 * span, size, torch.float32).view(layer_count, 2, block_count, -1)
+    return _from_fp8(k, v, scales[:, 0], scales[:, 1], cache_dtype, device)
+
+
+def _from_fp8(k, v, k_scale, v_scale, cache_dtype: torch.dtype, device: torch.device):
+    """fp8 pages [..., n, bs, Hkv, D] and their scales [..., n, Hkv] as a cache of
+    ``cache_dtype`` stores them: as they are (fp8), or dequantised."""
     for scale in (k_scale, v_scale):
         # A scale that is not a positive finite number would poison every value it scales.
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
@@ -216,9 +295,12 @@ def decode_chunk(
     k_scale, v_scale = k_scale.to(device), v_scale.to(device)
     if cache_dtype == FP8:
         return k, v, k_scale, v_scale
-    return (
-        dequantize_kv_blocks(k, k_scale, cache_dtype),
-        dequantize_kv_blocks(v, v_scale, cache_dtype),
-        None,
-        None,
-    )
+    blocks = k.shape[-3:]
+
+    def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        flat = dequantize_kv_blocks(
+            q.reshape(-1, *blocks), scale.reshape(-1, blocks[1]), cache_dtype
+        )
+        return flat.view(q.shape)
+
+    return dequantize(k, k_scale), dequantize(v, v_scale), None, None

@@ -98,6 +98,15 @@ class KVSendStream(ABC):
         be overwritten (unless ``reads_in_place``). Raises KVTransferError when the receiver
         has refused the stream."""
 
+    def send_layers(
+        self, first_layer: int, layer_count: int, block_ids: torch.Tensor, first_block: int = 0
+    ) -> None:
+        """``send_layer`` for layers ``[first_layer, first_layer + layer_count)`` in turn, the
+        same blocks of each (the layers a prefill step ends with, shipped together). Same
+        contract; a transport may send them as fewer, larger frames."""
+        for layer in range(first_layer, first_layer + layer_count):
+            self.send_layer(layer, block_ids, first_block)
+
     @abstractmethod
     def finish(self, first_token: int, fork_tokens: Sequence[int] = ()) -> TransferResult:
         """Send the first token (and the forks') and wait for the receiver to take the KV.

@@ -72,6 +72,21 @@ class GrpcSendStream(KVSendStream):
                     ks, vs = ks[:, part.heads].contiguous(), vs[:, part.heads].contiguous()
             part.stream.send_layer(layer, k, v, ks, vs, first_block=first_block, copy=False)
 
+    def send_layers(
+        self, first_layer: int, layer_count: int, block_ids: torch.Tensor, first_block: int = 0
+    ) -> None:
+        if not self._parts:
+            return
+        # One gathered copy of all the layers, encoded in one pass, sent as whole-layer frames.
+        blocks = self._cache.gather_layers(first_layer, layer_count, block_ids)
+        for part in self._parts:
+            k, v, ks, vs = blocks.k, blocks.v, blocks.k_scale, blocks.v_scale
+            if part.heads != slice(0, self._cache.num_kv_heads):
+                k, v = k[:, :, :, part.heads].contiguous(), v[:, :, :, part.heads].contiguous()
+                if ks is not None:
+                    ks, vs = ks[:, :, part.heads].contiguous(), vs[:, :, part.heads].contiguous()
+            part.stream.send_layers(first_layer, k, v, ks, vs, first_block=first_block, copy=False)
+
     def finish(self, first_token: int | None, fork_tokens: Sequence[int] = ()) -> TransferResult:
         results = []
         for part in self._parts:

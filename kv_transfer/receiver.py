@@ -41,7 +41,7 @@ import torch
 
 from engine.kv_cache import LayerKV, PagedKVCache
 from kv_transfer import frames, wire
-from kv_transfer.codec import WireSpec, decode_chunk, dtype_from_name
+from kv_transfer.codec import WireSpec, decode_chunk, decode_layers, dtype_from_name
 from kv_transfer.connector import ReceiverStats
 from kv_transfer.data_channel import (
     MAX_MESSAGE_BYTES,
@@ -495,17 +495,31 @@ class _Transfer:
                         else contextlib.nullcontext()
                     )
                     with on_side_stream:
-                        for i, layer in enumerate(frame.layers):
-                            chunk = payload[i * size : (i + 1) * size]
+                        if frame.layer_count == 1:
                             blocks = LayerKV(
-                                *decode_chunk(chunk, count, spec, cache.dtype, cache.device)
+                                *decode_chunk(payload, count, spec, cache.dtype, cache.device)
                             )
-                            leases.write(lease, cache.scatter, layer, ids, blocks, heads)
+                            leases.write(lease, cache.scatter, frame.layer, ids, blocks, heads)
+                        else:  # all the frame's layers decoded at once, written in one go
+                            stacked = decode_layers(
+                                payload, frame.layer_count, count, spec, cache.dtype, cache.device
+                            )
+                            leases.write(
+                                lease, _scatter_layers, cache, frame.layers, ids, stacked, heads
+                            )
                 self.payload_bytes += payload.nbytes
             for layer in frame.layers:
                 next_block[layer] += count
             num_kv_frames += 1
         raise FrameError("KV stream truncated: it ended before the final frame")
+
+
+def _scatter_layers(cache: PagedKVCache, layers: range, ids, stacked, heads) -> None:
+    """``decode_layers``' tensors (a leading layer axis) into ``layers`` of the cache."""
+    k, v, k_scale, v_scale = stacked
+    for i, layer in enumerate(layers):
+        scales = (None, None) if k_scale is None else (k_scale[i], v_scale[i])
+        cache.scatter(layer, ids, LayerKV(k[i], v[i], *scales), heads)
 
 
 def _check_blocks(

@@ -41,8 +41,10 @@ from kv_transfer.codec import (
     WireSpec,
     dtype_name,
     encode_layer,
+    encode_layers,
     layer_chunk_parts,
     payload_dtype_for,
+    stacked_layer_parts,
 )
 from kv_transfer.connector import TransferResult
 from kv_transfer.errors import KVTransferError
@@ -59,6 +61,8 @@ PUSH_METHOD = "/pdcluster.kv_transfer.KVTransfer/Push"
 _DONE = object()  # ends the request iterator
 # Queued items: kv frames may take the data channel, control frames not; kv_ready frames (NIXL)
 # are numbered and checksummed on the drain thread, the end frame counts what went before it.
+# A _KV item is a _Piece (merged with the pieces queued behind it) or a tuple of pieces that
+# send_layers made one frame.
 _KV, _CONTROL, _READY, _END = 0, 1, 2, 3
 # How long a sender tries to reach a data channel before sending over gRPC instead, and how
 # long it then sends over gRPC without asking again.
@@ -300,6 +304,64 @@ class TransferStream:
             self._put((_KV, _Piece(layer, first_block + start, n, parts, nbytes)))
             self.payload_bytes += nbytes
 
+    def send_layers(
+        self,
+        first_layer: int,
+        k_layers: torch.Tensor,
+        v_layers: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        *,
+        first_block: int = 0,
+        copy: bool = True,
+    ) -> None:
+        """``send_layer`` for layers ``[first_layer, first_layer + L)`` in turn, the same
+        blocks of each: ``[L, n, bs, Hkv, D]`` (scales ``[L, n, Hkv]``). Where one frame takes
+        all n blocks of a layer, the layers are encoded in one pass and queued as frames of
+        whole layers, up to ``max_frame_bytes`` each: a short prompt's layers, which a step
+        ends with together, go out in a few frames and wait for one queue slot per frame, not
+        per layer. Otherwise layer by layer. Same contract as ``send_layer``."""
+        if self._closed:
+            raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
+        if k_layers.dim() != 5 or k_layers.shape != v_layers.shape:
+            raise ValueError(
+                f"k and v layers must both be [layers, n, block_size, kv_heads, head_dim], got "
+                f"{tuple(k_layers.shape)} and {tuple(v_layers.shape)}"
+            )
+        layers, count = k_layers.shape[:2]
+        if count > self._blocks_per_frame:
+            for i in range(layers):
+                scales = (None, None) if k_scale is None else (k_scale[i], v_scale[i])
+                self.send_layer(
+                    first_layer + i, k_layers[i], v_layers[i], *scales,
+                    first_block=first_block, copy=copy,
+                )  # fmt: skip
+            return
+        self.check_blocks(first_block, count)
+        block_size = k_layers.shape[2]
+        encoded = encode_layers(
+            k_layers,
+            v_layers,
+            wire_dtype=self.handshake.wire_dtype,
+            num_tokens=min(
+                self.handshake.num_tokens - first_block * block_size, count * block_size
+            ),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        if copy:
+            encoded = _owned(encoded, (k_layers, v_layers, k_scale, v_scale))
+        runs: list[list[_Piece]] = [[]]
+        for i, parts in enumerate(stacked_layer_parts(encoded)):
+            piece = _Piece(first_layer + i, first_block, count, parts, sum(p.nbytes for p in parts))
+            run_bytes = sum(p.nbytes for p in runs[-1])
+            if runs[-1] and run_bytes + piece.nbytes > self._sender.max_frame_bytes:
+                runs.append([])
+            runs[-1].append(piece)
+        for run in runs:
+            self._put((_KV, tuple(run)))
+            self.payload_bytes += sum(p.nbytes for p in run)
+
     def check_blocks(self, first_block: int, count: int) -> None:
         """ValueError unless blocks ``[first_block, first_block + count)`` are the sequence's."""
         total = self.handshake.num_blocks
@@ -403,7 +465,11 @@ class TransferStream:
             except queue.Empty:
                 return run
             piece = item[1] if item is not _DONE and item[0] == kind else None
-            if piece is None or not piece.extends(run[-1]) or nbytes + piece.nbytes > limit:
+            if (
+                not isinstance(piece, _Piece)  # not a piece, or a run of its own
+                or not piece.extends(run[-1])
+                or nbytes + piece.nbytes > limit
+            ):
                 self._held_back = item
                 return run
             run.append(piece)
@@ -413,7 +479,8 @@ class TransferStream:
         """A queued item's frame (kind, (meta, payload, crc)); None when nothing more may be
         sent (kv_ready frames were sealed)."""
         if kind == _KV or kind == _READY:
-            run = self._merged(kind, item)
+            # a tuple: a run send_layers built, already one frame's worth
+            run = list(item) if isinstance(item, tuple) else self._merged(kind, item)
             first = run[0]
             buffers = [b for piece in run for b in piece.buffers]
             if kind == _KV:

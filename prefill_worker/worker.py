@@ -295,12 +295,12 @@ class PrefillWorker(WorkerBase):
         last_layer = cache.num_layers - 1
         ready: list[int] = []  # finished layers not sent yet
 
-        def send(layer: int) -> None:
+        def send(first_layer: int, layer_count: int) -> None:
             for job, blocks, first_block in shipping:
                 if job.error is not None:
                     continue
                 try:
-                    job.stream.send_layer(layer, blocks, first_block)
+                    job.stream.send_layers(first_layer, layer_count, blocks, first_block)
                 except Exception as err:  # the stream broke: fail this job, keep the batch going
                     job.error = f"{self.name}: KV transfer of {job.request_id} failed: {err}"
 
@@ -309,8 +309,7 @@ class PrefillWorker(WorkerBase):
             # blocks stay as they are until the step ends, so a later gather reads the same.
             ready.append(layer)
             if layer == last_layer or len(ready) * layer_bytes >= self.options.kv.layer_burst_bytes:
-                for finished in ready:
-                    send(finished)
+                send(ready[0], len(ready))  # consecutive layers: done in order, sent in order
                 ready.clear()
 
         if self.tensor_parallel_size == 1:

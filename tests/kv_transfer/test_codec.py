@@ -1,4 +1,5 @@
-"""Layer codec: passthrough is bit-exact, fp8 stays within e4m3's error bound per element."""
+"""Layer codec: passthrough is bit-exact, fp8 stays within e4m3's error bound per element;
+several layers encoded / decoded at once give each layer's bytes alone."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from kv_transfer.codec import (
     FP8,
     WireSpec,
     decode_chunk,
+    decode_layers,
     encode_layer,
+    encode_layers,
     layer_chunks,
+    stacked_layer_parts,
 )
 from kv_transfer.errors import FrameError
 from tests.kv_transfer.helpers import BLOCK_SIZE, MODEL, equal_bytes, random_blocks
@@ -97,3 +101,42 @@ def test_encode_rejects_fp8_passthrough_and_missing_scales():
         encode_layer(k.to(FP8), v.to(FP8), wire_dtype="fp8", num_tokens=16)
     with pytest.raises(ValueError):
         encode_layer(k, v[:, :8], wire_dtype="passthrough", num_tokens=16)
+
+
+@pytest.mark.parametrize("wire", ["passthrough", "fp8"])
+def test_layers_encode_and_decode_at_once_as_each_layer_alone(wire):
+    """encode_layers / decode_layers over a stack of layers give each layer's bytes and values
+    as encode_layer / decode_chunk of that layer alone (the stale rows of the last block
+    ignored per layer)."""
+    layers, n, num_tokens = 3, 4, 3 * BLOCK_SIZE + 5
+    pairs = [random_blocks(n, torch.bfloat16, seed=i) for i in range(layers)]
+    for k, _ in pairs:
+        k[-1, 5:] = 1e4  # stale rows
+    k_layers, v_layers = (torch.stack(t) for t in zip(*pairs, strict=True))
+    stacked = encode_layers(k_layers, v_layers, wire_dtype=wire, num_tokens=num_tokens)
+    parts = stacked_layer_parts(stacked)
+    spec = _spec(FP8 if wire == "fp8" else torch.bfloat16)
+    for i, (k, v) in enumerate(pairs):
+        alone = encode_layer(k, v, wire_dtype=wire, num_tokens=num_tokens)
+        [(_, _, payload)] = layer_chunks(alone, n)
+        assert b"".join(parts[i]) == payload
+    frame = b"".join(b"".join(p) for p in parts)
+    for cache_dtype in (torch.bfloat16, FP8) if wire == "fp8" else (torch.bfloat16,):
+        together = decode_layers(frame, layers, n, spec, cache_dtype, CPU)
+        size = spec.chunk_bytes(n)
+        for i in range(layers):
+            alone = decode_chunk(frame[i * size : (i + 1) * size], n, spec, cache_dtype, CPU)
+            for a, b in zip(alone, together, strict=True):
+                assert (a is None and b is None) or equal_bytes(a, b[i])
+
+
+def test_decode_layers_refuses_wrong_size_and_bad_scales():
+    spec = _spec(FP8)
+    with pytest.raises(FrameError, match="must be"):
+        decode_layers(b"\0" * (2 * spec.chunk_bytes(1) - 1), 2, 1, spec, torch.float32, CPU)
+    k, v = random_blocks(1, torch.float32)
+    [(_, _, good)] = layer_chunks(encode_layer(k, v, wire_dtype="fp8", num_tokens=16), 1)
+    bad = bytearray(good)
+    bad[-4:] = bytes(4)  # the second layer's last V scale: 0
+    with pytest.raises(FrameError, match="scales"):
+        decode_layers(good + bytes(bad), 2, 1, spec, torch.float32, CPU)

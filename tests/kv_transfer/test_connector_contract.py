@@ -88,7 +88,8 @@ def _source_ids(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_blocks_arrive_exactly_and_nothing_else_changes(variant, dtype):
+@pytest.mark.parametrize("together", [False, True], ids=["send_layer", "send_layers"])
+def test_blocks_arrive_exactly_and_nothing_else_changes(variant, dtype, together):
     pair = _pair(variant, dtype)
     try:
         if dtype == torch.float8_e4m3fn:
@@ -101,9 +102,13 @@ def test_blocks_arrive_exactly_and_nothing_else_changes(variant, dtype):
         before = snapshot(pair.decode_cache)
         stream = pair.send.open(handle, "r1", num_tokens)
         src = _source_ids(3)
-        for layer in range(L):  # chunk by chunk, as a long prompt's chunks ship
-            stream.send_layer(layer, src[:2], 0)
-            stream.send_layer(layer, src[2:], 2)
+        if together:  # each chunk's layers at once, as a prefill step's last layers ship
+            stream.send_layers(0, L, src[:2], 0)
+            stream.send_layers(0, L, src[2:], 2)
+        else:
+            for layer in range(L):  # chunk by chunk, as a long prompt's chunks ship
+                stream.send_layer(layer, src[:2], 0)
+                stream.send_layer(layer, src[2:], 2)
         result = stream.finish(first_token=7, fork_tokens=(8, 9))
         done = pair.leases.get(lease.lease_id)
         assert (done.state, done.first_token, done.fork_tokens) == ("complete", 7, (8, 9))

@@ -146,8 +146,9 @@ class DecodeReplica:
             side.stop()
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["send_layer", "send_layers"])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 4), (4, 2), (8, 1), (1, 8)])
-def test_every_decode_rank_gets_exactly_its_heads(prefill_tp, decode_tp):
+def test_every_decode_rank_gets_exactly_its_heads(prefill_tp, decode_tp, together):
     decode = DecodeReplica(decode_tp)
     try:
         source = full_kv()
@@ -155,7 +156,7 @@ def test_every_decode_rank_gets_exactly_its_heads(prefill_tp, decode_tp):
         lease = decode.leases.reserve(f"req-{prefill_tp}-{decode_tp}", num_tokens)
         handle = decode.rank0.handle_for(lease)
         assert len(handle.receivers) == (decode_tp if decode_tp > 1 else 0)
-        send_from_every_rank(prefill_tp, handle, source, num_tokens, lease.request_id)
+        send_from_every_rank(prefill_tp, handle, source, num_tokens, lease.request_id, together)
         deadline = time.monotonic() + 10
         while not decode.completed and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -172,16 +173,20 @@ def test_every_decode_rank_gets_exactly_its_heads(prefill_tp, decode_tp):
         decode.stop()
 
 
-def send_from_every_rank(prefill_tp, handle, source, num_tokens, request_id):
-    """Each prefill rank sends its heads of ``source``'s first blocks, every layer."""
+def send_from_every_rank(prefill_tp, handle, source, num_tokens, request_id, together=False):
+    """Each prefill rank sends its heads of ``source``'s first blocks, every layer (one call
+    for all of them where ``together``)."""
     senders = heads_of(prefill_tp)
     ids = torch.arange(-(-num_tokens // BLOCK_SIZE), dtype=torch.int64)
     for rank in range(prefill_tp):
         cache = shard_cache(senders[rank], source)
         side = GrpcSendSide(cache, FINGERPRINT, OPTIONS, rank, senders)
         stream = side.open(handle, request_id, num_tokens)
-        for layer in range(MODEL.num_layers):
-            stream.send_layer(layer, ids)
+        if together:
+            stream.send_layers(0, MODEL.num_layers, ids)
+        else:
+            for layer in range(MODEL.num_layers):
+                stream.send_layer(layer, ids)
         stream.finish(5 if rank == 0 else None)
         side.close()
 

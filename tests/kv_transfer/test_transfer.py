@@ -502,3 +502,61 @@ def test_a_write_after_expiry_never_lands(receiver):
     for old, new in zip(before, snapshot(receiver.cache), strict=True):
         assert equal_bytes(old, new)  # nothing landed after the expiry
     assert receiver.free_blocks() == receiver.cache.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("receiver", "wire"),
+    [(torch.bfloat16, "passthrough"), (torch.bfloat16, "fp8"), (FP8, "fp8")],
+    indirect=["receiver"],
+)
+@pytest.mark.parametrize("frame_layers", [1, 2, L])
+def test_layers_sent_together_land_as_layers_sent_one_by_one(receiver, wire, frame_layers):
+    """send_layers (one gather, one encode, frames of whole layers up to max_frame_bytes)
+    leaves the same bytes in the receiver's cache as send_layer per layer, in fewer frames;
+    a layer larger than a frame goes layer by layer."""
+    num_tokens = 2 * BLOCK_SIZE + 3  # the last block partial: its stale rows ignored
+    k, v = _layers(3, torch.bfloat16, seed=7)
+    k[:, -1, 3:] = 1e4
+    spec_bytes = 2 * 3 * (k[0, 0].numel() * (1 if wire == "fp8" else 2))
+    layer_bytes = spec_bytes + (2 * 3 * MODEL.num_kv_heads * 4 if wire == "fp8" else 0)
+    max_frame_bytes = frame_layers * layer_bytes if frame_layers < L else 4 << 20
+    results, leases = [], []
+    for together in (False, True):
+        lease = receiver.leases.reserve(f"req-{together}", num_tokens)
+        with KVSender(receiver.address, TOKEN, max_frame_bytes=max_frame_bytes) as sender:
+            stream = sender.open(
+                lease.request_id, lease.lease_id, FINGERPRINT, BLOCK_SIZE, num_tokens, L, wire,
+                k.dtype,
+            )  # fmt: skip
+            if together:
+                stream.send_layers(0, k, v)
+            else:
+                for layer in range(L):
+                    stream.send_layer(layer, k[layer], v[layer])
+            results.append(stream.finish(first_token=3))
+        assert lease.state == "complete"
+        leases.append(lease)
+    one_by_one, together = results
+    assert together.payload_bytes == one_by_one.payload_bytes
+    assert together.num_frames == 2 + -(-L // frame_layers)  # handshake, kv frames, end
+    assert one_by_one.num_frames >= together.num_frames
+    cache = receiver.cache
+    for tensors in (cache.tensors(), [cache.k_scale, cache.v_scale] if cache.is_fp8 else []):
+        for t in tensors:
+            assert equal_bytes(t[:, leases[0].block_ids], t[:, leases[1].block_ids])
+
+
+def test_layers_too_large_for_a_frame_go_layer_by_layer(receiver):
+    lease = receiver.leases.reserve("req-big", 4 * BLOCK_SIZE)
+    k, v = _layers(4, torch.bfloat16, seed=9)
+    block_bytes = 2 * k[0, 0].numel() * 2  # K and V of one block
+    with KVSender(receiver.address, TOKEN, max_frame_bytes=2 * block_bytes) as sender:
+        stream = sender.open(
+            "req-big", lease.lease_id, FINGERPRINT, BLOCK_SIZE, 4 * BLOCK_SIZE, L, "passthrough",
+            k.dtype,
+        )  # fmt: skip
+        stream.send_layers(0, k, v)
+        result = stream.finish(first_token=1)
+    assert result.num_frames == 2 + 2 * L  # two frames of two blocks per layer
+    assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
+    assert equal_bytes(receiver.cache.v[:, lease.block_ids], v)
