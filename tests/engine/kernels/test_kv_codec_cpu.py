@@ -99,3 +99,17 @@ def test_bad_inputs_get_the_references_errors():
     q, scale = quantize_kv_blocks_cpu(torch.randn(2, 16, 2, 8))
     with pytest.raises(ValueError, match="scale must be float32"):
         dequantize_kv_blocks_cpu(q, scale[:1], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_heads_of_any_width(dtype):
+    """Heads of whole 16-lane vectors take the vector path, others the scalar loop: both
+    the reference's bits."""
+    for head_dim in (16, 24, 8):
+        x = awkward_blocks(dtype, (7, 16, 3, head_dim))
+        want_q, want_scale = quantize_kv_blocks_reference(x)
+        got_q, got_scale = quantize_kv_blocks_cpu(x)
+        assert same_bits(got_q, want_q) and same_bits(got_scale, want_scale)
+        for out_dtype in DTYPES:
+            want = dequantize_kv_blocks_reference(want_q, want_scale, out_dtype)
+            assert same_bits(dequantize_kv_blocks_cpu(want_q, want_scale, out_dtype), want)
