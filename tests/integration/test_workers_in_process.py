@@ -71,13 +71,14 @@ def test_a_long_prompt_streams_its_kv_chunk_by_chunk(workers):
     def spy(stream_open):
         def open_(*args, **kwargs):
             stream = stream_open(*args, **kwargs)
-            original = stream.send_layer
+            original = stream.send_layers  # the worker ships a step's layers in one call
 
-            def send(layer, block_ids, first_block=0):
-                sent.append((layer, first_block, len(block_ids)))
-                return original(layer, block_ids, first_block)
+            def send(first_layer, layer_count, block_ids, first_block=0):
+                for layer in range(first_layer, first_layer + layer_count):
+                    sent.append((layer, first_block, len(block_ids)))
+                return original(first_layer, layer_count, block_ids, first_block)
 
-            stream.send_layer = send
+            stream.send_layers = send
             return stream
 
         return open_
@@ -173,8 +174,13 @@ def test_layers_ship_as_they_finish_or_in_bursts(burst_bytes, sent_as_done):
 
         def open_(*args, **kwargs):
             stream = stream_open(*args, **kwargs)
-            send = stream.send_layer
-            stream.send_layer = lambda layer, *a: (events.append(("sent", layer)), send(layer, *a))
+            send = stream.send_layers  # the worker ships each burst's layers in one call
+
+            def send_layers(first_layer, layer_count, *a):
+                events.extend(("sent", first_layer + i) for i in range(layer_count))
+                return send(first_layer, layer_count, *a)
+
+            stream.send_layers = send_layers
             return stream
 
         prefill.kv.open = open_
