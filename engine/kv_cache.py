@@ -137,6 +137,33 @@ class PagedKVCache:
         for dst, src in pairs:
             _word_rows(dst).index_put_((block_ids,), _word_rows(src))
 
+    def scatter_layers(
+        self,
+        layers: range,
+        block_ids: Sequence[int] | torch.Tensor,
+        blocks: LayerKV,
+        heads: slice | None = None,
+    ) -> None:
+        """``scatter`` into the same blocks of consecutive ``layers``: ``blocks`` with a
+        leading layer axis ([L, n, ...]). On CPU, for all the heads, one strided numpy copy
+        per tensor and run of consecutive blocks covers every layer."""
+        sources = (blocks.k, blocks.v, blocks.k_scale, blocks.v_scale)
+        all_heads = heads is None or heads == slice(0, self.num_kv_heads)
+        if self.device.type != "cpu" or not all_heads or layers.step != 1:
+            for i, layer in enumerate(layers):
+                layer_blocks = LayerKV(*(None if t is None else t[i] for t in sources))
+                self.scatter(layer, block_ids, layer_blocks, heads)
+            return
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+        runs = block_runs(ids)
+        for tensor, src in zip(self.tensors(), sources, strict=False):
+            dst_rows, src_rows = (
+                layer_byte_rows(tensor[layers.start : layers.stop]),
+                layer_byte_rows(src),
+            )
+            for first, offset, n in runs:
+                dst_rows[:, first : first + n] = src_rows[:, offset : offset + n]
+
     def _scatter_heads(self, layer: int, block_ids, sources, heads: slice) -> None:
         """Some KV heads of whole blocks: strided copies (a tensor-parallel peer's share)."""
         for tensor, src in zip(self.tensors(), sources, strict=False):
@@ -186,6 +213,12 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 def byte_rows(t: torch.Tensor):
     """A contiguous CPU tensor [blocks, ...] as a numpy uint8 array [blocks, bytes] (a view)."""
     return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+def layer_byte_rows(t: torch.Tensor):
+    """A CPU tensor [layers, blocks, ...] (each layer's blocks contiguous) as a numpy uint8
+    array [layers, blocks, bytes] (a view)."""
+    return t.reshape(t.shape[0], t.shape[1], -1).view(torch.uint8).numpy()
 
 
 def _word_rows(t: torch.Tensor) -> torch.Tensor:

@@ -505,21 +505,18 @@ class _Transfer:
                                 payload, frame.layer_count, count, spec, cache.dtype, cache.device
                             )
                             leases.write(
-                                lease, _scatter_layers, cache, frame.layers, ids, stacked, heads
+                                lease,
+                                cache.scatter_layers,
+                                frame.layers,
+                                ids,
+                                LayerKV(*stacked),
+                                heads,
                             )
                 self.payload_bytes += payload.nbytes
             for layer in frame.layers:
                 next_block[layer] += count
             num_kv_frames += 1
         raise FrameError("KV stream truncated: it ended before the final frame")
-
-
-def _scatter_layers(cache: PagedKVCache, layers: range, ids, stacked, heads) -> None:
-    """``decode_layers``' tensors (a leading layer axis) into ``layers`` of the cache."""
-    k, v, k_scale, v_scale = stacked
-    for i, layer in enumerate(layers):
-        scales = (None, None) if k_scale is None else (k_scale[i], v_scale[i])
-        cache.scatter(layer, ids, LayerKV(k[i], v[i], *scales), heads)
 
 
 def _check_blocks(
