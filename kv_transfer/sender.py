@@ -329,6 +329,8 @@ class TransferStream:
                 f"{tuple(k_layers.shape)} and {tuple(v_layers.shape)}"
             )
         layers, count = k_layers.shape[:2]
+        if layers < 1:
+            raise ValueError("send_layers needs at least one layer")
         if count > self._blocks_per_frame:
             for i in range(layers):
                 scales = (None, None) if k_scale is None else (k_scale[i], v_scale[i])

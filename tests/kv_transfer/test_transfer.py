@@ -560,3 +560,21 @@ def test_layers_too_large_for_a_frame_go_layer_by_layer(receiver):
     assert result.num_frames == 2 + 2 * L  # two frames of two blocks per layer
     assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
     assert equal_bytes(receiver.cache.v[:, lease.block_ids], v)
+
+
+def test_send_layers_refuses_no_layers_and_mismatched_shapes(receiver):
+    lease = receiver.leases.reserve("req-none", BLOCK_SIZE)
+    k, v = _layers(1, torch.bfloat16)
+    with KVSender(receiver.address, TOKEN) as sender:
+        stream = sender.open(
+            "req-none", lease.lease_id, FINGERPRINT, BLOCK_SIZE, BLOCK_SIZE, L, "passthrough",
+            k.dtype,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="at least one layer"):
+            stream.send_layers(0, k[:0], v[:0])
+        with pytest.raises(ValueError, match="must both be"):
+            stream.send_layers(0, k, v[:, :, :8])
+        stream.send_layers(0, k, v)  # the stream is still usable
+        stream.finish(first_token=2)
+    assert lease.state == "complete"
+    assert equal_bytes(receiver.cache.k[:, lease.block_ids], k)
