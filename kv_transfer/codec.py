@@ -5,7 +5,9 @@ CPU tensors of the wire dtype (fp8 e4m3 with one scale per (block, kv head) via
 ``engine.kernels.kv_codec``, or the cache dtype unchanged), and :func:`layer_chunks` cuts them
 into frame payloads of bounded size. Receiver side: :func:`decode_chunk` views a payload as
 tensors (``torch.frombuffer``: no per-element Python) and converts them into the receiving
-cache's dtype on its device. Pure functions, thread-safe.
+cache's dtype on its device. :func:`encode_layers` / :func:`decode_layers` do the same for
+the same blocks of several layers at once (a frame of whole layers). Pure functions,
+thread-safe.
 """
 
 from __future__ import annotations
