@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import LayerKV, PagedKVCache
 from kv_transfer.connector import (
     KVHandle,
     KVRecvSide,
@@ -65,12 +65,8 @@ class GrpcSendStream(KVSendStream):
         # A gathered copy, so the frames may be sent straight from its memory (no second copy).
         blocks = self._cache.gather(layer, block_ids)
         for part in self._parts:
-            k, v, ks, vs = blocks.k, blocks.v, blocks.k_scale, blocks.v_scale
-            if part.heads != slice(0, self._cache.num_kv_heads):
-                k, v = k[:, :, part.heads].contiguous(), v[:, :, part.heads].contiguous()
-                if ks is not None:
-                    ks, vs = ks[:, part.heads].contiguous(), vs[:, part.heads].contiguous()
-            part.stream.send_layer(layer, k, v, ks, vs, first_block=first_block, copy=False)
+            heads = self._heads(blocks, part.heads)
+            part.stream.send_layer(layer, *heads, first_block=first_block, copy=False)
 
     def send_layers(
         self, first_layer: int, layer_count: int, block_ids: torch.Tensor, first_block: int = 0
@@ -80,12 +76,21 @@ class GrpcSendStream(KVSendStream):
         # One gathered copy of all the layers, encoded in one pass, sent as whole-layer frames.
         blocks = self._cache.gather_layers(first_layer, layer_count, block_ids)
         for part in self._parts:
-            k, v, ks, vs = blocks.k, blocks.v, blocks.k_scale, blocks.v_scale
-            if part.heads != slice(0, self._cache.num_kv_heads):
-                k, v = k[:, :, :, part.heads].contiguous(), v[:, :, :, part.heads].contiguous()
-                if ks is not None:
-                    ks, vs = ks[:, :, part.heads].contiguous(), vs[:, :, part.heads].contiguous()
-            part.stream.send_layers(first_layer, k, v, ks, vs, first_block=first_block, copy=False)
+            heads = self._heads(blocks, part.heads)
+            part.stream.send_layers(first_layer, *heads, first_block=first_block, copy=False)
+
+    def _heads(self, blocks: LayerKV, heads: slice) -> tuple:
+        """(k, v, k_scale, v_scale) of gathered blocks, one layer's or several ([..., Hkv, D],
+        scales [..., Hkv]), cut to one receiver's ``heads`` (contiguous copies) unless that
+        is all of them."""
+        tensors = (blocks.k, blocks.v, blocks.k_scale, blocks.v_scale)
+        if heads == slice(0, self._cache.num_kv_heads):
+            return tensors
+        k, v, ks, vs = tensors
+        k, v = k[..., heads, :].contiguous(), v[..., heads, :].contiguous()
+        if ks is not None:
+            ks, vs = ks[..., heads].contiguous(), vs[..., heads].contiguous()
+        return k, v, ks, vs
 
     def finish(self, first_token: int | None, fork_tokens: Sequence[int] = ()) -> TransferResult:
         results = []

@@ -38,6 +38,7 @@ import torch
 
 from kv_transfer import data_channel, frames, wire
 from kv_transfer.codec import (
+    EncodedLayer,
     WireSpec,
     dtype_name,
     encode_layer,
@@ -282,22 +283,10 @@ class TransferStream:
         device are copied to the host either way)."""
         if self._closed:
             raise KVTransferError("the transfer stream is closed", "FAILED_PRECONDITION")
-        count = k_blocks.shape[0]
-        self.check_blocks(first_block, count)
-        block_size = k_blocks.shape[1]
-        layer_payload = encode_layer(
-            k_blocks,
-            v_blocks,
-            wire_dtype=self.handshake.wire_dtype,
-            num_tokens=min(
-                self.handshake.num_tokens - first_block * block_size, count * block_size
-            ),
-            k_scale=k_scale,
-            v_scale=v_scale,
+        count, block_size = k_blocks.shape[:2]
+        layer_payload = self._encoded(
+            encode_layer, k_blocks, v_blocks, k_scale, v_scale, first_block, count, block_size, copy
         )
-        # Queued frames are views of these tensors: own them, so the caller may reuse its own.
-        if copy:
-            layer_payload = _owned(layer_payload, (k_blocks, v_blocks, k_scale, v_scale))
         for start, n, parts in layer_chunk_parts(layer_payload, self._blocks_per_frame):
             # The checksum is taken by the drain thread, off the engine's thread.
             nbytes = sum(p.nbytes for p in parts)
@@ -339,20 +328,10 @@ class TransferStream:
                     first_block=first_block, copy=copy,
                 )  # fmt: skip
             return
-        self.check_blocks(first_block, count)
-        block_size = k_layers.shape[2]
-        encoded = encode_layers(
-            k_layers,
-            v_layers,
-            wire_dtype=self.handshake.wire_dtype,
-            num_tokens=min(
-                self.handshake.num_tokens - first_block * block_size, count * block_size
-            ),
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-        if copy:
-            encoded = _owned(encoded, (k_layers, v_layers, k_scale, v_scale))
+        encoded = self._encoded(
+            encode_layers, k_layers, v_layers, k_scale, v_scale, first_block, count,
+            k_layers.shape[2], copy,
+        )  # fmt: skip
         runs: list[list[_Piece]] = [[]]
         for i, parts in enumerate(stacked_layer_parts(encoded)):
             piece = _Piece(first_layer + i, first_block, count, parts, sum(p.nbytes for p in parts))
@@ -363,6 +342,26 @@ class TransferStream:
         for run in runs:
             self._put((_KV, tuple(run)))
             self.payload_bytes += sum(p.nbytes for p in run)
+
+    def _encoded(
+        self, encode, k, v, k_scale, v_scale, first_block, count, block_size, copy
+    ) -> EncodedLayer:
+        """``encode`` (``encode_layer`` or ``encode_layers``) of ``count`` blocks from
+        ``first_block``, checked to be the sequence's, the last block's rows past its last
+        token left out of the fp8 scale; with ``copy``, owned by the stream."""
+        self.check_blocks(first_block, count)
+        encoded = encode(
+            k,
+            v,
+            wire_dtype=self.handshake.wire_dtype,
+            num_tokens=min(
+                self.handshake.num_tokens - first_block * block_size, count * block_size
+            ),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        # Queued frames are views of these tensors: own them, so the caller may reuse its own.
+        return _owned(encoded, (k, v, k_scale, v_scale)) if copy else encoded
 
     def check_blocks(self, first_block: int, count: int) -> None:
         """ValueError unless blocks ``[first_block, first_block + count)`` are the sequence's."""
