@@ -55,7 +55,9 @@ from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 # (the AMX kernel: 2.0 against oneDNN's 2.6 TFLOP/s here), so 512's choice must not reach them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 T = TypeVar("T")
-PLAN_FORMAT = 7  # part of the cache key: plans without shape_choices (format 6) are stale
+# Part of the cache key: format 7's plans let gate_up's plain GEMM pick the other shapes'
+# backend where it runs fused (and format 6's had no shape_choices).
+PLAN_FORMAT = 8
 # Row counts whose plan sweeps every weight cold: at 1 thread and 128 rows the AMX kernel ran
 # a forward's GEMMs ~10% faster than oneDNN, and ~8% slower on weights the caches held.
 COLD_SWEEP_ROWS = 256
@@ -310,14 +312,11 @@ class GemmPlan:
                 by_shape = {}
             else:
                 by_shape = {
-                    shape: best_ms_each(plan._sweeps(usable, group, inputs))
+                    shape: best_ms_each(plan._sweeps(usable, group, inputs), LARGE_REPEATS)
                     for shape, group in _by_shape(sweep).items()
                 }
-                timings = {n: sum(t[n] for t in by_shape.values()) for n in usable}
-            plan.timings_ms[rows] = timings
-            plan.choices[rows] = min(timings, key=timings.get)
-            plan.fallback_choices[rows] = min(complete, key=timings.get)
-            plan.shape_choices[rows] = _own_choices(by_shape, plan.choices[rows])
+                timings = _bucket_timings(by_shape, usable)
+            plan._choose(rows, timings, by_shape, complete)
             silu_sweep = silu_mul_weights
             if not cold:
                 silu_sweep = silu_mul_weights[: max(len(silu_mul_weights) // cold_layers, 2)]
@@ -337,7 +336,28 @@ class GemmPlan:
                     }
                 )
                 plan.silu_mul_fused[rows] = silu["fused"] < silu["apart"]
+                fused_shape = shape_key(silu_sweep[0].shape)
+                if plan.silu_mul_fused[rows] and len(by_shape) > 1 and fused_shape in by_shape:
+                    # gate_up runs as the fused pass: its plain GEMM's time (the largest of
+                    # a layer's) no longer decides the backend of the other shapes
+                    others = {k: t for k, t in by_shape.items() if k != fused_shape}
+                    plan._choose(rows, _bucket_timings(others, usable), by_shape, complete)
         return plan  # with the sweep's packings: they are the model's weights, packed
+
+    def _choose(
+        self,
+        rows: int,
+        timings: dict[str, float],
+        by_shape: dict[str, dict[str, float]],
+        complete: Sequence[str],
+    ) -> None:
+        """The bucket's backend by ``timings`` (and its fallback among ``complete``), and the
+        shapes whose own fastest backend beats it."""
+        self.timings_ms[rows] = timings
+        self.choices[rows] = min(timings, key=timings.get)
+        self.fallback_choices[rows] = min(complete, key=timings.get)
+        self.shape_choices[rows] = _own_choices(by_shape, self.choices[rows])
+        self._routes.clear()  # a route taken while measuring may name the old choice
 
     def _usable(
         self, names: Sequence[str], weights: Sequence[torch.Tensor], inputs: dict
@@ -381,9 +401,19 @@ def shape_key(shape: Sequence[int]) -> str:
 
 
 # How much faster than the bucket's choice a shape's own fastest backend must be to take that
-# shape: two backends within the noise of a 3-repeat timing (oneDNN on plain and on packed
+# shape: two backends within the noise of a few repeats' timing (oneDNN on plain and on packed
 # weights, often) would otherwise split a bucket's shapes by chance.
 SHAPE_MARGIN = 0.05
+# Repeats of each shape's sweep above COLD_SWEEP_ROWS: three had named another backend for
+# the q/k/v weights from one start-up to the next on this machine's noise (a few ms a sweep).
+LARGE_REPEATS = 5
+
+
+def _bucket_timings(
+    by_shape: dict[str, dict[str, float]], backends: Sequence[str]
+) -> dict[str, float]:
+    """A bucket's time for each backend: the sum of its shapes'."""
+    return {name: sum(t[name] for t in by_shape.values()) for name in backends}
 
 
 def _own_choices(by_shape: dict[str, dict[str, float]], bucket_choice: str) -> dict[str, str]:

@@ -204,6 +204,45 @@ def test_a_plan_measures_the_fused_silu_mul_keeps_it_and_packs_for_it(tmp_path, 
 
 
 @needs_amx
+def test_a_fused_gate_up_leaves_the_other_shapes_to_their_fastest_backend(monkeypatch):
+    """Where gate_up runs as the fused AMX pass, its plain GEMM's time (the largest of a layer)
+    is left out of the bucket's choice: the backend fastest on the other shapes runs them, and
+    gate_up's own fastest stays its fallback."""
+    import time
+
+    from engine import cpu_gemm
+
+    gate_up = torch.randn(128, 64).bfloat16()
+    others = [torch.randn(96, 64).bfloat16(), torch.randn(64, 64).bfloat16()]
+    slow_ms = {"torch": {(128, 64): 20}, "onednn": {(128, 64): 10, (96, 64): 2, (64, 64): 2}}
+
+    def backend(name):
+        def run(x, weight, bias):
+            time.sleep(slow_ms[name].get(tuple(weight.shape), 0) / 1e3)
+            return F.linear(x, weight, bias)
+
+        return run
+
+    def slow_amx(self, x, weight, bias):
+        time.sleep(0.03)  # the plain AMX GEMM out of the running; its fused pass is real
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemm, "available_backends", lambda dtype, threads: ["torch", "onednn"])
+    monkeypatch.setitem(cpu_gemm.BACKENDS, "torch", backend("torch"))
+    monkeypatch.setitem(cpu_gemm.BACKENDS, "onednn", backend("onednn"))
+    monkeypatch.setattr(cpu_gemm.AmxGemm, "__call__", slow_amx)
+    rows = cpu_gemm.COLD_SWEEP_ROWS * 2
+    plan = GemmPlan.measure(
+        [*others, gate_up], buckets=(rows,), cold_layers=1, silu_mul_weights=[gate_up]
+    )
+    assert plan.silu_mul_fused == {rows: True}
+    # over all three shapes oneDNN (14 ms) beats torch (20 ms); without gate_up, torch (0 ms)
+    assert plan.choices == {rows: "torch"}
+    assert plan.shape_choices == {rows: {"128x64": "onednn"}}
+    assert plan.choice_for(rows, shape=torch.Size([96, 64])) == "torch"
+
+
+@needs_amx
 def test_amx_and_onednn_calls_interleave_in_the_same_threads():
     """oneDNN runs its own AMX kernels (prefill's row counts) on the same OpenMP threads;
     each call sets up its tiles, so neither disturbs the other."""
