@@ -289,7 +289,9 @@ class GemmPlan:
         the fastest that takes every weight. "gguf" is timed where ``quantized`` holds every
         swept weight's blocks, "amx" where it takes every swept weight. Where AMX takes
         ``silu_mul_weights`` (the gate_up weights, whose output goes through SiLU·mul), the
-        fused AMX pass is timed against the bucket's choice followed by SiLU·mul.
+        fused AMX pass is timed against the bucket's choice followed by SiLU·mul; where the
+        fused pass wins, the bucket's backend is chosen again over the other shapes (gate_up's
+        plain GEMM, about half a layer's time, runs only where the fused pass declines).
 
         Up to COLD_SWEEP_ROWS rows a GEMM still waits on its weights, so those row counts
         sweep every weight, read cold as in a forward; larger ones are compute-bound and
