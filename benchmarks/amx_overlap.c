@@ -40,15 +40,14 @@ static const char *names[KINDS] = {"none",   "fma512", "permute512", "fma256",
 // The prefill attention's 2^x (exp2_16, cpu_native.h) on 8 lanes: the same steps and the
 // same coefficients (EXP2_C5 .. EXP2_C0).
 static inline __m256 exp2_8(__m256 x) {
-    const __m256 n = _mm256_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
+    const __m256 f = _mm256_reduce_ps(x, EXP2_FLOOR_FRACTION);
     __m256 p = _mm256_set1_ps(EXP2_C5);
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
-    return _mm256_scalef_ps(p, n);
+    return _mm256_scalef_ps(p, x);
 }
 
 // `rounds` rounds of: 4 tile products (on four sums, so no product waits for another) when

@@ -133,33 +133,36 @@ static inline void amx_configure_16x64(void) {
 }
 #endif
 
-// 2^x on 16 lanes for x <= 0: x = n + f with |f| <= 1/2, a degree-5 polynomial for 2^f
-// (within 1.8e-7, fitted here on Chebyshev nodes), scalef for 2^n: the prefill attention's
-// softmax (prefill_attention_amx.c; benchmarks/amx_overlap.c times it). That kernel runs with
-// FTZ set, so a result below 2^-126 is 0 rather than a subnormal: a subnormal costs a
-// microcode assist, ~12x the whole kernel's time with such scores measured here. (Degree 4, within
-// 3.7e-6, was 3% faster; but the default model's bf16 logits for the README's question then
-// tied "L" with "The", and greedy decoding took "L": answers that close are not worth 3%.)
-// The polynomial's coefficients, highest degree first (Horner): one definition for every
-// width that evaluates it (benchmarks/amx_overlap.c times it on 8 lanes too). Literals, not
-// a table: the kernel's code stays as it was compiled with them written out.
-#define EXP2_C5 1.3218672247603536e-3f
-#define EXP2_C4 9.671698324382305e-3f
-#define EXP2_C3 5.550893023610115e-2f
-#define EXP2_C2 2.4022237956523895e-1f
-#define EXP2_C1 6.931468844413757e-1f
+// 2^x on 16 lanes for x <= 0: x = n + f with n = floor(x), 0 <= f < 1; a degree-5
+// polynomial for 2^f (within 1.7e-7, a minimax fit made here, p(0) = 1 exactly), scalef for
+// 2^n. One instruction takes f (reduce, rounding down) and scalef floors x itself, so n is
+// never formed: 7 vector operations where round, subtract and scalef took 9. The prefill
+// attention's softmax (prefill_attention_amx.c; benchmarks/amx_overlap.c times it). That
+// kernel runs with FTZ set, so a result below 2^-126 is 0 rather than a subnormal: a
+// subnormal costs a microcode assist, ~12x the whole kernel's time with such scores measured
+// here. (Degree 4, within 3.7e-6, was 3% faster; but the default model's bf16 logits for the
+// README's question then tied "L" with "The", and greedy decoding took "L": answers that
+// close are not worth 3%.) The polynomial's coefficients, highest degree first (Horner): one
+// definition for every width that evaluates it (benchmarks/amx_overlap.c times it on 8 lanes
+// too). Literals, not a table: the kernel's code stays as it was compiled with them written out.
+#define EXP2_C5 1.8671301659196615e-3f
+#define EXP2_C4 9.017029777169228e-3f
+#define EXP2_C3 5.579991266131401e-2f
+#define EXP2_C2 2.4016444385051727e-1f
+#define EXP2_C1 6.931512951850891e-1f
 #define EXP2_C0 1.0f
+// reduce's immediate: keep no fraction bits, round down, no precision exception
+#define EXP2_FLOOR_FRACTION 0x09
 
 static inline __m512 exp2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
+    const __m512 f = _mm512_reduce_ps(x, EXP2_FLOOR_FRACTION);
     __m512 p = _mm512_set1_ps(EXP2_C5);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(p, x);
 }
 
 // 16 bf16 values to fp32 (exact: the upper half of each lane).
