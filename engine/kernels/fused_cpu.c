@@ -81,10 +81,12 @@ static int rope_head_bf16_lanes(const uint16_t *x, const uint16_t *cos, const ui
 }
 
 // rmsnorm_row's bf16 body where H is whole vectors (0 where it is not): lane l of the sum
-// of squares is the scalar loop's lane[l], and the lanes are added up as it adds them.
+// of squares is the scalar loop's lane[l], and the lanes are added up as it adds them. The
+// row's h (bf16 values) waits in h_f32 and the weight comes widened (weight_f32, once a call),
+// so the second pass converts nothing but its two roundings.
 static int rmsnorm_row_bf16_lanes(const uint16_t *x, const uint16_t *residual,
-                                  const uint16_t *weight, int64_t H, float eps, uint16_t *out,
-                                  uint16_t *new_residual) {
+                                  const float *weight_f32, int64_t H, float eps, uint16_t *out,
+                                  uint16_t *new_residual, float *h_f32) {
     if (H % 16) return 0;
     __m512 squares = _mm512_setzero_ps();
     for (int64_t i = 0; i < H; i += 16) {
@@ -94,25 +96,26 @@ static int rmsnorm_row_bf16_lanes(const uint16_t *x, const uint16_t *residual,
             _mm256_storeu_si256((__m256i *)(new_residual + i), summed);
             h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(summed), 16));
         }
+        _mm512_storeu_ps(h_f32 + i, h);
         squares = _mm512_add_ps(squares, _mm512_mul_ps(h, h));
     }
     float lane[16], sum = 0.0f;
     _mm512_storeu_ps(lane, squares);
     for (int l = 0; l < 16; l++) sum += lane[l];
     const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(sum / (float)H + eps));
-    const uint16_t *h_rows = residual != NULL ? new_residual : x;  // h, as bf16
     for (int64_t i = 0; i < H; i += 16) {
-        const __m512 normed = round16_bf16(_mm512_mul_ps(load16_bf16(h_rows + i), rstd));
-        const __m256i y = to16_bf16(_mm512_mul_ps(load16_bf16(weight + i), normed));
+        const __m512 normed = round16_bf16(_mm512_mul_ps(_mm512_loadu_ps(h_f32 + i), rstd));
+        const __m256i y = to16_bf16(_mm512_mul_ps(_mm512_loadu_ps(weight_f32 + i), normed));
         _mm256_storeu_si256((__m256i *)(out + i), y);
     }
     return 1;
 }
 #else
 static int rmsnorm_row_bf16_lanes(const uint16_t *x, const uint16_t *residual,
-                                  const uint16_t *weight, int64_t H, float eps, uint16_t *out,
-                                  uint16_t *new_residual) {
-    (void)x, (void)residual, (void)weight, (void)H, (void)eps, (void)out, (void)new_residual;
+                                  const float *weight_f32, int64_t H, float eps, uint16_t *out,
+                                  uint16_t *new_residual, float *h_f32) {
+    (void)x, (void)residual, (void)weight_f32, (void)H, (void)eps, (void)out;
+    (void)new_residual, (void)h_f32;
     return 0;
 }
 
@@ -163,10 +166,11 @@ INLINE void rope_rows(const int dtype, const void *qk, int64_t qk_stride, const 
     }
 }
 
+// weight_f32: the weight widened (bf16 only; NULL otherwise).
 INLINE void rmsnorm_row(const int dtype, const void *x, const void *residual,
-                        const void *weight, int64_t H, float eps, void *out,
-                        void *new_residual, float *restrict h) {
-    if (dtype == 2 && rmsnorm_row_bf16_lanes(x, residual, weight, H, eps, out, new_residual))
+                        const void *weight, const float *weight_f32, int64_t H, float eps,
+                        void *out, void *new_residual, float *restrict h) {
+    if (dtype == 2 && rmsnorm_row_bf16_lanes(x, residual, weight_f32, H, eps, out, new_residual, h))
         return;
     for (int64_t i = 0; i < H; i++) h[i] = load(x, dtype, i);
     if (residual != NULL)
@@ -212,15 +216,22 @@ void rmsnorm_rows(const void *x, int64_t x_stride, const void *residual, int64_t
                   void *new_residual, int threads) {
     const size_t size = element_size(dtype);
     (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && T * H >= PARALLEL_ELEMENTS)
-    for (int64_t t = 0; t < T; t++) {
-        float scratch[H];  // the row in fp32 (H is a hidden size: a few KiB of stack)
-        const char *xt = (const char *)x + t * x_stride * size;
-        const char *rt = residual ? (const char *)residual + t * r_stride * size : NULL;
-        char *ot = (char *)out + t * H * size, *nt = (char *)new_residual + t * H * size;
-        if (dtype == 0) rmsnorm_row(0, xt, rt, weight, H, eps, ot, nt, scratch);
-        else if (dtype == 1) rmsnorm_row(1, xt, rt, weight, H, eps, ot, nt, scratch);
-        else rmsnorm_row(2, xt, rt, weight, H, eps, ot, nt, scratch);
+#pragma omp parallel num_threads(threads) if (threads > 1 && T * H >= PARALLEL_ELEMENTS)
+    {
+        // the row in fp32 and (bf16) the weight widened, once a thread: H is a hidden size,
+        // a few KiB of stack each
+        float scratch[H], wide[dtype == 2 ? H : 1];
+        if (dtype == 2)
+            for (int64_t i = 0; i < H; i++) wide[i] = bf16_to_float(((const uint16_t *)weight)[i]);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const char *xt = (const char *)x + t * x_stride * size;
+            const char *rt = residual ? (const char *)residual + t * r_stride * size : NULL;
+            char *ot = (char *)out + t * H * size, *nt = (char *)new_residual + t * H * size;
+            if (dtype == 0) rmsnorm_row(0, xt, rt, weight, NULL, H, eps, ot, nt, scratch);
+            else if (dtype == 1) rmsnorm_row(1, xt, rt, weight, NULL, H, eps, ot, nt, scratch);
+            else rmsnorm_row(2, xt, rt, weight, wide, H, eps, ot, nt, scratch);
+        }
     }
 }
 
