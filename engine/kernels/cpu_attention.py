@@ -62,7 +62,7 @@ class DecodePlan:
     batch: int
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
     context_lens: torch.Tensor  # [B] int32
-    max_block: int  # the largest block id a context reaches (the C kernel checks it)
+    max_block: int  # the largest block id in the tables (the C kernel checks it)
     gather: GatherPlan | None  # None: the C kernel reads the pages in place
 
     def check_fits(self, num_blocks: int) -> None:
@@ -83,8 +83,9 @@ def decode_plan(block_tables: torch.Tensor, context_lens: list[int], block_size:
             f"a context of {longest} tokens does not fit a block table of {tables.shape[1]} "
             f"blocks of {block_size}"
         )
-    used = torch.arange(tables.shape[1])[None] * block_size < ctx[:, None]  # [B, max_blocks]
-    max_block = int(tables[used].max()) if batch and longest else 0
+    # Every id in the tables, not only those the contexts reach: a table holds its
+    # sequence's blocks and zeros, so this is the same check, in one op instead of five.
+    max_block = int(tables.max()) if tables.numel() else 0
     if cpu_native.library() is not None:
         return DecodePlan(batch, tables, ctx, max_block, None)
     num_pages = max(-(-max(context_lens, default=1) // block_size), 1)
