@@ -154,6 +154,7 @@ static inline void amx_configure_16x64(void) {
 // reduce's immediate: keep no fraction bits, round down, no precision exception
 #define EXP2_FLOOR_FRACTION 0x09
 
+#if defined(__AVX512DQ__)  // reduce is AVX-512 DQ's (every CPU with AMX has it)
 static inline __m512 exp2_16(__m512 x) {
     const __m512 f = _mm512_reduce_ps(x, EXP2_FLOOR_FRACTION);
     __m512 p = _mm512_set1_ps(EXP2_C5);
@@ -164,6 +165,7 @@ static inline __m512 exp2_16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
     return _mm512_scalef_ps(p, x);
 }
+#endif
 
 // 16 bf16 values to fp32 (exact: the upper half of each lane).
 static inline __m512 load16_bf16(const uint16_t *p) {
