@@ -13,7 +13,38 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
 from engine.named_models import DEFAULT_MODEL
+
+
+def step_llm(model: str, dtype: str, *, prefill: int, batch: int, kv_tokens: int, **options) -> LLM:
+    """An engine sized for one step of interest: a prompt of ``prefill`` tokens in one step,
+    or ``batch`` sequences decoding, with room for ``kv_tokens`` in its cache. ``options``:
+    other LLM arguments."""
+    return LLM(
+        model,
+        dtype=dtype,
+        progress=False,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(8192, prefill),
+        num_kv_blocks=kv_tokens // 16 + 64,
+        **options,
+    )
+
+
+def random_prompts(engine: LLMEngine, seed: int = 0):
+    """prompt(length): distinct random token ids (no prefix-cache hits), the same for a seed."""
+    vocab = engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    return lambda length: torch.randint(100, vocab, (length,), generator=generator).tolist()
+
+
+def start_decoding(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Add the prompts and step until every one is computed: the next step decodes them all."""
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.waiting):
+        engine.step()
 
 
 def main() -> None:
@@ -28,29 +59,22 @@ def main() -> None:
     parser.add_argument("--cpu-gemm", default="auto")
     args = parser.parse_args()
     tokens = max(args.prefill, args.batch * (args.context + args.steps + 2))
-    llm = LLM(
+    llm = step_llm(
         args.model,
-        dtype=args.dtype,
-        progress=False,
-        max_num_seqs=max(args.batch, 1),
-        max_num_batched_tokens=max(8192, args.prefill),
-        num_kv_blocks=tokens // 16 + 64,
+        args.dtype,
+        prefill=args.prefill,
+        batch=args.batch,
+        kv_tokens=tokens,
         cpu_gemm=args.cpu_gemm,
     )
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    generator = torch.Generator().manual_seed(0)
+    prompt = random_prompts(engine)
     if args.prefill:
-        prompt = torch.randint(100, vocab, (args.prefill,), generator=generator).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.add_request(prompt(args.prefill), SamplingParams(max_tokens=1, ignore_eos=True))
         steps = 1
     else:
         params = SamplingParams(max_tokens=args.steps + 2, temperature=0, ignore_eos=True)
-        for _ in range(args.batch):
-            prompt = torch.randint(100, vocab, (args.context,), generator=generator).tolist()
-            engine.add_request(prompt, params)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.waiting):
-            engine.step()  # the prompts
+        start_decoding(engine, [prompt(args.context) for _ in range(args.batch)], params)
         engine.step()
         steps = args.steps
     from torch.profiler import ProfilerActivity, profile

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import engine.model as model_module
+from benchmarks.profile_step import random_prompts, start_decoding, step_llm
 from engine import LLM, SamplingParams
 from engine.kernels import decode_layers_cpu
 from engine.named_models import DEFAULT_MODEL
@@ -108,21 +109,16 @@ def run(args: argparse.Namespace, patch: Patch = setattr) -> list[str]:
     """The table's lines: a header, then one row of milliseconds per timed step."""
     torch.set_num_threads(args.threads)
     tokens = max(args.prefill, args.batch * (args.context + args.steps + 4))
-    llm = LLM(
+    llm = step_llm(
         args.model,
-        dtype=args.dtype,
-        progress=False,
-        max_num_seqs=max(args.batch, 1),
-        max_num_batched_tokens=max(8192, args.prefill),
-        num_kv_blocks=tokens // 16 + 64,
+        args.dtype,
+        prefill=args.prefill,
+        batch=args.batch,
+        kv_tokens=tokens,
         enable_prefix_caching=False,
     )
     engine, clocks = llm.engine, Clocks()
-    vocab = engine.model_config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-
-    def prompt(length: int) -> list[int]:
-        return torch.randint(100, vocab, (length,), generator=generator).tolist()
+    prompt = random_prompts(engine)
 
     rows = []
     if args.prefill:
@@ -138,10 +134,7 @@ def run(args: argparse.Namespace, patch: Patch = setattr) -> list[str]:
         title = f"prefill of {args.prefill} tokens"
     else:
         params = SamplingParams(max_tokens=args.steps + 3, temperature=0, ignore_eos=True)
-        for _ in range(args.batch):
-            engine.add_request(prompt(args.context), params)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.waiting):
-            engine.step()  # the prompts
+        start_decoding(engine, [prompt(args.context) for _ in range(args.batch)], params)
         labels = clock_decode_parts(llm, clocks, patch)
         for _ in range(args.steps + 1):
             started = time.perf_counter()
