@@ -12,7 +12,9 @@ at once (no model runs), so the numbers are the transport's own ceiling. Modes:
   receiver (on a CPU-only host the codec runs as torch references, which bounds this mode).
 
 Reported: payload GB/s (bytes on the wire), effective KV GB/s (bytes those tokens occupy in a
-bf16 cache, delivered per second), and the raw-socket GB/s for the passthrough byte count.
+bf16 cache, delivered per second), and the raw-socket GB/s for the passthrough byte count;
+with a NIXL mode, also a memcpy of those bytes and a lone NIXL READ of them between two
+processes (the NIXL path's own ceiling here, as the raw socket is the gRPC path's).
 Each receiver (the KV server, the raw socket's reader, NIXL's) runs in a process of its own,
 as a decode worker does: in one process the two sides would share one GIL, which no
 deployment does.
@@ -39,6 +41,7 @@ from benchmarks.transfer_nixl_bench import (
     NIXL_MODES,
     measure_memcpy,
     measure_nixl,
+    measure_nixl_read,
     receiver_cache,
     serve_leases,
 )
@@ -314,6 +317,7 @@ def run_transfer_benchmark(
             }
             if set(modes) & set(NIXL_MODES):
                 row["memcpy_gb_s"] = measure_memcpy(padded, repeats)["gb_s"]
+                row["nixl_read_gb_s"] = measure_nixl_read(padded, repeats)["gb_s"]
             for mode in modes:
                 if mode in NIXL_MODES:
                     row[mode] = measure_nixl(
@@ -336,7 +340,7 @@ def run_transfer_benchmark(
 def format_header(modes: tuple[str, ...]) -> str:
     cols = ["tokens", "KV MiB (bf16)", "raw socket GB/s"]
     if set(modes) & set(NIXL_MODES):
-        cols.append("memcpy GB/s")
+        cols += ["memcpy GB/s", "NIXL READ alone GB/s"]
     for mode in modes:
         cols += [f"{mode} payload GB/s", f"{mode} effective KV GB/s"]
     return "| " + " | ".join(cols) + " |\n|" + "---:|" * len(cols)
@@ -345,7 +349,8 @@ def format_header(modes: tuple[str, ...]) -> str:
 def format_row(row: dict, modes: tuple[str, ...]) -> str:
     cells = [str(row["tokens"]), f"{row['kv_mib']:.0f}", f"{row['raw_gb_s']:.2f}"]
     if "memcpy_gb_s" in row:
-        cells.append(f"{row['memcpy_gb_s']:.2f}")
+        read = row["nixl_read_gb_s"]
+        cells += [f"{row['memcpy_gb_s']:.2f}", f"{read:.2f} ({read / row['memcpy_gb_s']:.0%})"]
     grpc = row["passthrough"]["payload_gb_s"] if "passthrough" in row else None
     for mode in modes:
         m = row[mode]
@@ -354,6 +359,7 @@ def format_row(row: dict, modes: tuple[str, ...]) -> str:
             payload += f" ({m['payload_gb_s'] / row['raw_gb_s']:.0%} of raw)"
         if mode == "nixl":
             payload += f" ({m['payload_gb_s'] / row['memcpy_gb_s']:.0%} of memcpy"
+            payload += f", {m['payload_gb_s'] / row['nixl_read_gb_s']:.0%} of READ"
             payload += f", {m['payload_gb_s'] / grpc:.1f}x gRPC)" if grpc else ")"
         base_mode = "nixl" if mode in NIXL_MODES else "passthrough"
         base = row[base_mode]["effective_kv_gb_s"] if base_mode in row else None

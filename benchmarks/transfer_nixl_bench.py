@@ -23,6 +23,7 @@ from engine.kv_cache import PagedKVCache
 from kv_transfer.codec import FP8
 from kv_transfer.connector import transport
 from kv_transfer.lease import LeaseTable
+from kv_transfer.nixl_agent import NixlAgent
 from kv_transfer.options import KVTransferOptions
 
 GB = 1e9
@@ -121,6 +122,59 @@ def measure_nixl(model: ModelConfig, tokens: int, mode: str, *, block_size: int,
         "payload_bytes": payload,
         "payload_gb_s": payload / seconds / GB,
     }
+
+
+# What one READ of the NIXL path moves at most (kv_ready frames merge layers up to this).
+READ_PIECE_BYTES = 64 << 20
+
+
+def _reader_main(conn, total_bytes: int, repeats: int) -> None:
+    """The lone READ's reader, in a process of its own: READs the parent's buffer into one
+    of its own, ``READ_PIECE_BYTES`` a READ, ``repeats`` times; sends back the best time."""
+    torch.set_num_threads(1)
+    metadata, address = conn.recv()
+    agent = NixlAgent("decode")
+    dest = torch.zeros(total_bytes, dtype=torch.uint8)
+    agent.register(dest)
+    peer = agent.add_peer(metadata)
+    best = float("inf")
+    try:
+        for i in range(repeats):
+            start = time.perf_counter()
+            for offset in range(0, total_bytes, READ_PIECE_BYTES):
+                size = min(READ_PIECE_BYTES, total_bytes - offset)
+                local = [(dest.data_ptr() + offset, size)]
+                agent.read(peer, local, [(address + offset, size)], b"read-%d" % i,
+                           deadline=time.monotonic() + 60)  # fmt: skip
+            best = min(best, time.perf_counter() - start)
+        conn.send(best)
+    finally:
+        agent.close()
+
+
+def measure_nixl_read(total_bytes: int, repeats: int) -> dict:
+    """The NIXL path's ceiling here: the same bytes READ alone between two NIXL agents in two
+    processes (one contiguous buffer, pieces of ``READ_PIECE_BYTES``; no handshake, leases,
+    checksums or notifications waited for), as the raw socket is the gRPC path's."""
+    agent = NixlAgent("prefill")
+    source = torch.randint(0, 255, (total_bytes,), dtype=torch.uint8)
+    agent.register(source)
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    reader = context.Process(target=_reader_main, args=(child, total_bytes, repeats), daemon=True)
+    reader.start()
+    agent.hold()  # progress our side while the reader READs (UCX over TCP needs it)
+    try:
+        parent.send((agent.metadata(), source.data_ptr()))
+        while not parent.poll(0.5):
+            if not reader.is_alive():
+                raise RuntimeError(f"the NIXL reader exited ({reader.exitcode}) before its READs")
+        seconds = parent.recv()
+    finally:
+        agent.unhold()
+        agent.close()
+        reader.join(30)
+    return {"seconds": seconds, "gb_s": total_bytes / seconds / GB}
 
 
 def measure_memcpy(total_bytes: int, repeats: int, chunk_bytes: int = 64 << 20) -> dict:

@@ -11,6 +11,7 @@ from benchmarks.transfer_bench import (
     format_row,
     run_transfer_benchmark,
 )
+from benchmarks.transfer_nixl_bench import NIXL_MODES
 from tests.kv_transfer.helpers import MODEL
 
 
@@ -21,6 +22,8 @@ def test_benchmark_rows_on_a_small_stack():
     assert [r["tokens"] for r in rows] == [20, 64] and len(lines) == 3
     for row in rows:
         assert row["raw_gb_s"] > 0
+        if set(modes) & set(NIXL_MODES):  # the NIXL path's bounds: a memcpy, a READ alone
+            assert row["memcpy_gb_s"] > 0 and row["nixl_read_gb_s"] > 0
         for mode in modes:
             assert row[mode]["payload_gb_s"] > 0 and row[mode]["effective_kv_gb_s"] > 0
         # fp8 moves about half the bytes of bf16 (plus scales and the padded last block)
