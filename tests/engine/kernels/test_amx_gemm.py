@@ -52,6 +52,29 @@ def test_amx_gemm_gives_onednns_bits_up_to_32_rows(rows):
 
 
 @needs_amx
+# from 256 rows a thread the threads share rows, below it column pairs: the same bits either
+# way (a last tile of 1-15 rows in a thread's share or in the last; an odd column block)
+@pytest.mark.parametrize("rows", [511, 512, 530, 1000])
+@pytest.mark.parametrize("shape", [(576, 576), (48, 64), (960, 576)])
+def test_threads_sharing_rows_or_columns_give_the_same_bits(rows, shape):
+    x, w, b = _case(rows, *shape, seed=3)
+    amx = AmxGemm()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = amx(x, w, b)
+        torch.set_num_threads(2)
+        shared = amx(x, w, b)
+        torch.set_num_threads(3)  # shares of unequal size
+        thirds = amx(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone) and torch.equal(thirds, alone)
+    expected = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(alone.float(), expected, rtol=8e-3, atol=1e-4)
+
+
+@needs_amx
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     x, w, _ = _case(300, 576, 1536, seed=2)
     amx = AmxGemm()
