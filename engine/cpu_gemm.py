@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.kernels import cpu_native
-from engine.kernels.amx_gemm import AmxGemm
+from engine.kernels.amx_gemm import AmxGemm, amx_shares_rows
 from engine.kernels.fused_cpu import silu_mul_native
 from engine.kernels.quantized_cpu import QuantizedWeight, quantized_linear
 
@@ -358,7 +358,9 @@ class GemmPlan:
         self.timings_ms[rows] = timings
         self.choices[rows] = min(timings, key=timings.get)
         self.fallback_choices[rows] = min(complete, key=timings.get)
-        self.shape_choices[rows] = _own_choices(by_shape, self.choices[rows])
+        sharing = self.choices[rows] == "amx" and amx_shares_rows(rows, torch.get_num_threads())
+        margin = ROW_SHARING_MARGIN if sharing else SHAPE_MARGIN
+        self.shape_choices[rows] = _own_choices(by_shape, self.choices[rows], margin)
         self._routes.clear()  # a route taken while measuring may name the old choice
 
     def _usable(
@@ -406,6 +408,13 @@ def shape_key(shape: Sequence[int]) -> str:
 # shape: two backends within the noise of a few repeats' timing (oneDNN on plain and on packed
 # weights, often) would otherwise split a bucket's shapes by chance.
 SHAPE_MARGIN = 0.05
+# Where the AMX GEMM shares a prompt's rows among the threads (amx_shares_rows), the margin
+# another backend must beat it by to take a shape: the sweep times each GEMM alone, but in a
+# forward AMX's rows land on the core whose RoPE, norm and next GEMM read them. Measured
+# here (smollm2-135m, 1,676 tokens, 2 threads, five alternations): q/k/v and o on oneDNN,
+# which the sweep had found 5-10% faster alone, made the prefill step 5% slower (308 against
+# 291 ms median; RoPE + KV store alone 13.5-15 against 10-12 ms).
+ROW_SHARING_MARGIN = 0.2
 # Repeats of each shape's sweep above COLD_SWEEP_ROWS: three had named another backend for
 # the q/k/v weights from one start-up to the next on this machine's noise (a few ms a sweep).
 LARGE_REPEATS = 5
@@ -418,12 +427,14 @@ def _bucket_timings(
     return {name: sum(t[name] for t in by_shape.values()) for name in backends}
 
 
-def _own_choices(by_shape: dict[str, dict[str, float]], bucket_choice: str) -> dict[str, str]:
-    """The shapes whose fastest backend beats the bucket's choice on them by SHAPE_MARGIN."""
+def _own_choices(
+    by_shape: dict[str, dict[str, float]], bucket_choice: str, margin: float = SHAPE_MARGIN
+) -> dict[str, str]:
+    """The shapes whose fastest backend beats the bucket's choice on them by ``margin``."""
     own = {}
     for shape, timings in by_shape.items():
         fastest = min(timings, key=timings.get)
-        if timings[fastest] < (1 - SHAPE_MARGIN) * timings[bucket_choice]:
+        if timings[fastest] < (1 - margin) * timings[bucket_choice]:
             own[shape] = fastest
     return own
 

@@ -23,6 +23,14 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.amx_gemm_available())
 
 
+def amx_shares_rows(rows: int, threads: int) -> bool:
+    """Whether the AMX GEMM gives each of ``threads`` threads its own share of ``rows`` rows
+    (every column), as from a few hundred rows a thread: each core then writes the rows that
+    it, and the row-parallel ops around the GEMM, read next (else each thread its columns)."""
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.amx_shares_rows(rows, threads))
+
+
 @dataclass(frozen=True)
 class _Packed:
     tensor: torch.Tensor  # the weight in the tiles' layout, flat

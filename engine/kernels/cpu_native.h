@@ -223,6 +223,8 @@ static inline __m256i silu_mul16_bf16(__m512i gate_bits, __m512 up, const uint16
 // torch's intra-op thread count as `threads`).
 // gemm_amx.c
 int amx_gemm_available(void);
+// whether amx_linear_bf16 shares m rows among `threads` by rows (else by columns)
+int amx_shares_rows(int64_t m, int threads);
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                     int64_t n, int64_t k, const uint16_t *bias, uint16_t *y, int threads);
 // fused_cpu.c

@@ -150,6 +150,8 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     lib.quantized_dequantize.restype = i32
     lib.amx_gemm_available.argtypes = []
     lib.amx_gemm_available.restype = i32
+    lib.amx_shares_rows.argtypes = [i64, i32]
+    lib.amx_shares_rows.restype = i32
     lib.amx_pack_weight.argtypes = [ptr, i64, i64, ptr, i32]
     lib.amx_pack_weight.restype = None
     lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32]

@@ -170,6 +170,10 @@ static void few_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint1
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+int amx_shares_rows(int64_t m, int threads) {
+    return threads > 1 && m >= (int64_t)ROWS_PER_THREAD_MIN * threads;
+}
+
 // A block of 32 rows x 2 column blocks whose sums wait in memory (C tiles stored as fp32
 // [4][16][16]: row tile 0's two blocks, then row tile 1's) for the vector unit to round and
 // write them while the tiles compute the next block.
@@ -239,7 +243,7 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
     const int lines = !table && (uintptr_t)y % 64 == 0 && n * 2 % 64 == 0 &&
                       m * n * 2 >= STREAM_BYTES;
     const int rows_per_step = (int)((32 + k_blocks - 1) / k_blocks);
-    const int by_rows = threads > 1 && !table && m >= (int64_t)ROWS_PER_THREAD_MIN * threads;
+    const int by_rows = !table && amx_shares_rows(m, threads);
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (by_rows || pairs > 1))
     {
@@ -358,6 +362,11 @@ int amx_linear_silu_mul_bf16(const uint16_t *x, int64_t x_stride, int64_t m,
 #else  // no AMX here: the engine keeps its other GEMMs
 
 int amx_gemm_available(void) { return 0; }
+
+int amx_shares_rows(int64_t m, int threads) {
+    (void)m, (void)threads;
+    return 0;
+}
 
 void amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int threads) {
     (void)w, (void)n, (void)k, (void)packed, (void)threads;

@@ -266,6 +266,35 @@ def test_a_fused_gate_up_leaves_the_other_shapes_to_their_fastest_backend(monkey
 
 
 @needs_amx
+def test_a_shape_leaves_row_sharing_amx_only_for_a_much_faster_backend():
+    """Where AMX is a bucket's choice and shares its rows among the threads, another backend
+    takes a shape only if it beats AMX there by ROW_SHARING_MARGIN (the sweep cannot see what
+    the rows' locality saves in a forward); with one thread, by SHAPE_MARGIN as before."""
+    from engine import cpu_gemm
+
+    rows = 2048
+    by_shape = {
+        "576x1536": {"amx": 10.0, "onednn": 20.0},
+        "960x576": {"amx": 10.0, "onednn": 9.0},  # 10% faster: within the sharing margin
+        "576x576": {"amx": 10.0, "onednn": 7.0},  # 30% faster: past it
+    }
+    timings = cpu_gemm._bucket_timings(by_shape, ["amx", "onednn"])
+    threads = torch.get_num_threads()
+    chosen = {}
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            plan = GemmPlan()
+            plan._choose(rows, timings, by_shape, ["onednn"])
+            assert plan.choices == {rows: "amx"}
+            chosen[count] = plan.shape_choices[rows]
+    finally:
+        torch.set_num_threads(threads)
+    assert chosen[1] == {"960x576": "onednn", "576x576": "onednn"}
+    assert chosen[2] == {"576x576": "onednn"}
+
+
+@needs_amx
 def test_amx_and_onednn_calls_interleave_in_the_same_threads():
     """oneDNN runs its own AMX kernels (prefill's row counts) on the same OpenMP threads;
     each call sets up its tiles, so neither disturbs the other."""
