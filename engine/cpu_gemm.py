@@ -413,7 +413,7 @@ SHAPE_MARGIN = 0.05
 # forward AMX's rows land on the core whose RoPE, norm and next GEMM read them. Measured
 # here (smollm2-135m, 1,676 tokens, 2 threads, five alternations): q/k/v and o on oneDNN,
 # which the sweep had found 5-10% faster alone, made the prefill step 5% slower (308 against
-# 291 ms median; RoPE + KV store alone 13.5-15 against 10-12 ms).
+# 291 ms median; the RoPE + KV store op 13.5-15 against 10-12 ms).
 ROW_SHARING_MARGIN = 0.2
 # Repeats of each shape's sweep above COLD_SWEEP_ROWS: three had named another backend for
 # the q/k/v weights from one start-up to the next on this machine's noise (a few ms a sweep).

@@ -161,9 +161,9 @@ static void few_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint1
 // From this many rows a thread (a prompt's GEMM), many_rows gives each thread its own rows,
 // all columns, rather than all rows, its own columns: a core then writes the rows it (and the
 // ops before and after, which split rows the same way) reads, rather than every row's part
-// of each, and a prompt's layer runs ~7% faster (1,676 tokens, 2 threads). Below it, a
-// thread's rows are too few to pay for reading the whole weight. Not with SiLU: gate_up's
-// weight is twice the L2 here.
+// of each; a 1,676-token prefill step ran a few percent faster (2 threads; RESULTS.md). Below
+// it, a thread's rows are too few to pay for reading the whole weight. Not with SiLU: no
+// faster there (gate_up's weight, about twice a core's L2, read whole by each thread).
 #define ROWS_PER_THREAD_MIN 256
 // Outputs from this size on are streamed to memory (twice a core's L2 here).
 #define STREAM_BYTES (4 << 20)
