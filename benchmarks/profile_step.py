@@ -17,10 +17,14 @@ from engine.llm_engine import LLMEngine
 from engine.named_models import DEFAULT_MODEL
 
 
-def step_llm(model: str, dtype: str, *, prefill: int, batch: int, kv_tokens: int, **options) -> LLM:
+def step_llm(
+    model: str, dtype: str, *, prefill: int, batch: int, context: int, steps: int, **options
+) -> LLM:
     """An engine sized for one step of interest: a prompt of ``prefill`` tokens in one step,
-    or ``batch`` sequences decoding, with room for ``kv_tokens`` in its cache. ``options``:
-    other LLM arguments."""
+    or ``batch`` sequences of ``context`` tokens decoding for ``steps`` steps (and a few more:
+    the steps before the timed ones), with room for either in its cache. ``options``: other LLM
+    arguments."""
+    kv_tokens = max(prefill, batch * (context + steps + 4))
     return LLM(
         model,
         dtype=dtype,
@@ -58,13 +62,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--cpu-gemm", default="auto")
     args = parser.parse_args()
-    tokens = max(args.prefill, args.batch * (args.context + args.steps + 2))
     llm = step_llm(
         args.model,
         args.dtype,
         prefill=args.prefill,
         batch=args.batch,
-        kv_tokens=tokens,
+        context=args.context,
+        steps=args.steps,
         cpu_gemm=args.cpu_gemm,
     )
     engine = llm.engine

@@ -108,13 +108,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, patch: Patch = setattr) -> list[str]:
     """The table's lines: a header, then one row of milliseconds per timed step."""
     torch.set_num_threads(args.threads)
-    tokens = max(args.prefill, args.batch * (args.context + args.steps + 4))
     llm = step_llm(
         args.model,
         args.dtype,
         prefill=args.prefill,
         batch=args.batch,
-        kv_tokens=tokens,
+        context=args.context,
+        steps=args.steps,
         enable_prefix_caching=False,
     )
     engine, clocks = llm.engine, Clocks()
