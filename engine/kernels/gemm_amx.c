@@ -244,7 +244,6 @@ static void many_rows(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                       m * n * 2 >= STREAM_BYTES;
     const int rows_per_step = (int)((32 + k_blocks - 1) / k_blocks);
     const int by_rows = !table && amx_shares_rows(m, threads);
-    (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (by_rows || pairs > 1))
     {
         float sums[2][4][16][16] __attribute__((aligned(64)));
