@@ -30,18 +30,24 @@ from engine.named_models import DEFAULT_MODEL
 
 
 class Clocks:
-    """Seconds per label, summed until ``take()``."""
+    """Seconds per label, summed until ``take()``. A clocked call made inside another one is
+    the outer one's time (a layer's RMSNorm is part of "layers", not of "final_norm")."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
+        self._depth = 0
 
     def wrap(self, label: str, call: Callable) -> Callable:
         def timed(*args, **kwargs):
+            if self._depth:
+                return call(*args, **kwargs)
+            self._depth += 1
             started = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
                 self.seconds[label] += time.perf_counter() - started
+                self._depth -= 1
 
         return timed
 
@@ -80,9 +86,13 @@ def clock_prefill_ops(llm: LLM, clocks: Clocks, patch: Patch) -> list[str]:
 def clock_decode_parts(llm: LLM, clocks: Clocks, patch: Patch) -> list[str]:
     """Clocks on a decode step's parts; the labels, in a step's order."""
     engine = llm.engine
+    # The layers as one C call each where the native decode path runs (bf16 on AMX), else
+    # op by op: whichever this CPU's step takes.
     native = decode_layers_cpu.NativeDecodeLayers
     patch(native, "__call__", clocks.wrap("layers", native.__call__))
-    # with the native decode path, the model's one RMSNorm call is the final norm
+    layer = model_module.DecoderLayer
+    patch(layer, "forward", clocks.wrap("layers", layer.forward))
+    # outside the layers, the model's one RMSNorm call is the final norm
     patch(model_module, "rmsnorm", clocks.wrap("final_norm", model_module.rmsnorm))
     model = engine.model
     model.compute_logits = clocks.wrap("lm_head", model.compute_logits)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from engine import cpu_isa
 from engine.kernels import cpu_native
 from engine.kernels.amx_gemm import AmxGemm, amx_shares_rows
 from engine.kernels.fused_cpu import silu_mul_native
@@ -548,7 +549,10 @@ def cpu_signature() -> str:
         pass
     model = fields.get("model name") or platform.processor()
     flags = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode())
-    return f"{model}|{torch.backends.cpu.get_cpu_capability()}|flags {flags.hexdigest()[:12]}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    # A forced level (engine.cpu_isa) runs other kernels on the same CPU: measured apart.
+    level = os.environ.get(cpu_isa.VARIABLE, "native") or "native"
+    return f"{model}|{capability}|flags {flags.hexdigest()[:12]}|isa {level}"
 
 
 def _sweep(backend: Callable, weights: Sequence[torch.Tensor], inputs: dict) -> None:

@@ -19,7 +19,23 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# Tests whose paths depend on what the CPU has (AMX, AVX-512 BF16, AVX2, a C compiler): the C
+# kernels, the GEMM plan, the dtype choice, the engine over them. `python -m tests.cpu_levels`
+# runs them again under each PDCLUSTER_MAX_CPU_ISA level below this CPU's own.
+CPU_PATH_TESTS = (
+    "tests/engine/kernels/",
+    "tests/engine/test_cpu_dtype.py",
+    "tests/engine/test_exactness.py",
+    "tests/engine/test_engine.py",
+    "tests/engine/test_gguf.py",
+    "tests/benchmarks/test_step_ops.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(CPU_PATH_TESTS):
+            item.add_marker(pytest.mark.cpu_paths)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -8,7 +8,9 @@ compiled once per machine (``-march=native``: it runs where it was built)
 into the pdcluster cache, under a file lock so that replicas starting together build it
 once, and keyed by its source and the CPU. Without a C compiler, or if the build fails,
 ``library()`` returns None and callers keep the torch reference (logged once); set
-``PDCLUSTER_NO_NATIVE=1`` to choose that.
+``PDCLUSTER_NO_NATIVE=1`` (or ``PDCLUSTER_MAX_CPU_ISA=none``) to choose that.
+``PDCLUSTER_MAX_CPU_ISA=avx512`` or ``avx2`` builds it as a CPU without AMX (or without
+AVX-512 either) would (``engine.cpu_isa``): each kernel keeps the paths that level allows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from engine import cpu_isa
+from engine.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +60,12 @@ OPENMP = "-fopenmp"
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot be built here."""
-    if os.environ.get("PDCLUSTER_NO_NATIVE"):
+    """The loaded kernels, or None where they cannot be built here (or are not wanted)."""
+    try:
+        level = cpu_isa.max_level()
+    except ValueError as err:
+        raise EngineError(str(err)) from None
+    if level == "none":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
@@ -83,8 +92,9 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
     # Here, not at the top: cpu_gemm runs its SiLU through these kernels.
     from engine.cpu_gemm import cpu_signature, plan_cache_dir
 
+    flags = (*FLAGS, *cpu_isa.compiler_flags())
     key = hashlib.sha256(
-        source_digest().encode() + cpu_signature().encode() + " ".join((*FLAGS, OPENMP)).encode()
+        source_digest().encode() + cpu_signature().encode() + " ".join((*flags, OPENMP)).encode()
     )
     directory = plan_cache_dir().parent / "native"
     directory.mkdir(parents=True, exist_ok=True)
@@ -94,7 +104,7 @@ def _build_and_load(compiler: str) -> ctypes.CDLL | None:
         if not path.exists():
             partial = path.with_suffix(f".{os.getpid()}.tmp")
             for extra in ((OPENMP,), ()):
-                command = [compiler, *FLAGS, *extra, *map(str, SOURCES), "-o", str(partial)]
+                command = [compiler, *flags, *extra, *map(str, SOURCES), "-o", str(partial)]
                 built = subprocess.run([*command, "-lm"], capture_output=True, text=True)
                 if built.returncode == 0:
                     break

@@ -35,9 +35,26 @@ def test_every_clock_sees_its_call(argv, clocked, monkeypatch):
         assert sum(row[1:-1]) <= row[0] + 1e-6  # clocked parts within the step
 
 
+def test_a_decode_step_op_by_op_clocks_its_layers(monkeypatch):
+    """Where the CPU has AMX a bf16 decode step may run its layers as one C call each, on
+    other CPUs always op by op: "layers" sees that path too (forced here on any CPU), and the
+    layers' own RMSNorms count as "layers", not as "final_norm"."""
+    from engine.kernels import decode_layers_cpu
+
+    monkeypatch.setattr(decode_layers_cpu.NativeDecodeLayers, "applies", lambda *a: False)
+    args = parse_args(["--model", "tiny", "--threads", "1", "--steps", "2", "--batch", "2"])
+    labels, rows = _table(run(args, patch=monkeypatch.setattr))
+    for row in rows:
+        parts = dict(zip(labels, row, strict=True))
+        assert parts["layers"] > 0 and parts["final_norm"] > 0, parts
+        assert parts["final_norm"] < parts["layers"] / 2, parts  # one norm, not 9
+        assert sum(row[1:-1]) <= row[0] + 1e-6
+
+
 def test_the_clocks_are_gone_after_the_test():
     import engine.model as model_module
     from engine.kernels import decode_layers_cpu, rmsnorm
 
     assert model_module.rmsnorm is rmsnorm.rmsnorm
     assert "timed" not in decode_layers_cpu.NativeDecodeLayers.__call__.__qualname__
+    assert "timed" not in model_module.DecoderLayer.forward.__qualname__

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, CheckpointError, SamplingParams, UnsupportedModelError
+from engine import LLM, CheckpointError, SamplingParams, UnsupportedModelError, cpu_isa
 from engine.checkpoint import Checkpoint
 from engine.gguf_file import GGUFFile
 from tests.engine.gguf_files import write_gguf
@@ -157,7 +157,7 @@ def test_every_gemm_weight_keeps_its_blocks_where_the_quantised_gemm_takes_them(
     from engine.quantized_weights import gguf_gemm_blocks
 
     if cpu_native.library() is None:
-        pytest.skip("no C compiler here: GEMMs stay dense")
+        pytest.skip(f"{cpu_isa.why_missing('none')}: GEMMs stay dense")
     path = write_gguf(tmp_path / "m.gguf", arch="llama", tensor_type=tensor_type)
     checkpoint = Checkpoint(path)
     model = checkpoint.load_model(torch.float32, torch.device("cpu"), 256, progress=False)

@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_isa
 from engine.cpu_gemm import GemmPlan
 from engine.kernels.amx_gemm import AmxGemm, amx_available
 from engine.kernels.fused_cpu import silu_mul_native
 
 needs_amx = pytest.mark.skipif(
-    not amx_available(), reason="this CPU (or its C build) has no AMX-BF16 tiles"
+    not amx_available(), reason=f"{cpu_isa.why_missing('amx')}: other GEMM backends run"
 )
 
 

@@ -5,6 +5,7 @@ SDPA paths they replace where no C compiler (or no AVX-512 BF16) is at hand."""
 import pytest
 import torch
 
+from engine import cpu_isa
 from engine.kernels import cpu_attention, cpu_native
 from engine.kernels.cpu_attention import (
     decode_attention_cpu,
@@ -18,7 +19,8 @@ from tests.engine.kernels.test_decode_attention import _paged_case
 from tests.engine.kernels.test_prefill_attention import _case
 
 needs_c = pytest.mark.skipif(
-    cpu_native.library() is None, reason="no C compiler here: decode attention runs in SDPA"
+    cpu_native.library() is None,
+    reason=f"{cpu_isa.why_missing('none')}: decode attention runs in SDPA",
 )
 
 CASES = [
@@ -104,7 +106,7 @@ def test_without_a_compiler_sdpa_serves_decode(monkeypatch):
 
 needs_bf16_prefill = pytest.mark.skipif(
     cpu_native.library() is None or not cpu_native.library().prefill_attention_bf16_available(),
-    reason="no AVX-512 BF16 (or no C compiler) here: bf16 prefill attention runs in SDPA",
+    reason=f"{cpu_isa.why_missing('avx512')}: bf16 prefill attention runs in SDPA",
 )
 
 PREFILL_CASES = [
@@ -118,7 +120,7 @@ PREFILL_CASES = [
 
 _needs_amx_prefill = pytest.mark.skipif(
     cpu_native.library() is None or not cpu_native.library().prefill_attention_amx_available(),
-    reason="no AMX here: the AVX-512 BF16 prefill kernel (or SDPA) runs instead",
+    reason=f"{cpu_isa.why_missing('amx')}: the AVX-512 BF16 prefill kernel (or SDPA) runs",
 )
 PREFILL_KERNELS = ["avx512_bf16", pytest.param("amx", marks=_needs_amx_prefill)]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_isa
 from engine.config import RopeConfig
 from engine.cpu_gemm import BACKENDS, GemmPlan, PackedOneDNN, available_backends
 from engine.kernels import cpu_native
@@ -49,7 +50,7 @@ def test_decode_attention_cpu_equals_reference(
     if not native:
         monkeypatch.setattr(cpu_native, "library", lambda: None)
     elif cpu_native.library() is None:
-        pytest.skip("no C compiler here")
+        pytest.skip(cpu_isa.why_missing("none"))
     (q, k, v, ks, vs, tables, ctx), scale = _paged_case(dtype, hq, hkv, d, lens, fp8=fp8)
     plan = decode_plan(tables, lens, k.shape[1])
     assert (plan.gather is None) == native

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_isa
 from engine.kernels.amx_gemm import amx_available
 from engine.kernels.decode_layers_cpu import NativeDecodeLayers
 from tests.engine.checkpoints import make_checkpoint
 
 needs_amx = pytest.mark.skipif(
-    not amx_available(), reason="this CPU (or its C build) has no AMX-BF16 tiles"
+    not amx_available(), reason=f"{cpu_isa.why_missing('amx')}: the layers run op by op"
 )
 
 # Lengths that end inside a block, on a block's end and past several blocks (block size 16).

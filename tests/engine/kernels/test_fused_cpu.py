@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import cpu_isa
 from engine.config import RopeConfig
 from engine.kernels import cpu_native
 from engine.kernels.fused_cpu import rmsnorm_native, rope_and_store_cpu, silu_mul_native
@@ -15,7 +16,7 @@ from engine.kernels.silu_mul import silu_mul_reference
 from engine.rope import RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.skipif(
-    cpu_native.library() is None, reason="no C compiler here: these steps run in torch"
+    cpu_native.library() is None, reason=f"{cpu_isa.why_missing('none')}: these steps run in torch"
 )
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

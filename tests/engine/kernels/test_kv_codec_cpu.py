@@ -4,6 +4,7 @@ bit, on every float dtype, on the values that exercise its rounding paths."""
 import pytest
 import torch
 
+from engine import cpu_isa
 from engine.kernels import cpu_native, kv_codec
 from engine.kernels.kv_codec import (
     dequantize_kv_blocks_cpu,
@@ -13,7 +14,7 @@ from engine.kernels.kv_codec import (
 )
 
 pytestmark = pytest.mark.skipif(
-    cpu_native.library() is None, reason="no C compiler here: the codec runs in torch"
+    cpu_native.library() is None, reason=f"{cpu_isa.why_missing('none')}: the codec runs in torch"
 )
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_isa
 from engine.cpu_gemm import GemmPlan, QuantizedGemm
 from engine.kernels import cpu_native
 from engine.kernels.quantized_cpu import (
@@ -20,7 +21,7 @@ from engine.kernels.quantized_cpu import (
 )
 
 pytestmark = pytest.mark.skipif(
-    cpu_native.library() is None, reason="no C compiler here: GEMMs stay dense"
+    cpu_native.library() is None, reason=f"{cpu_isa.why_missing('none')}: GEMMs stay dense"
 )
 
 
