@@ -18,7 +18,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
 # Tests whose paths depend on what the CPU has (AMX, AVX-512 BF16, AVX2, a C compiler): the C
 # kernels, the GEMM plan, the dtype choice, the engine over them. `python -m tests.cpu_levels`
 # runs them again under each PDCLUSTER_MAX_CPU_ISA level below this CPU's own.
