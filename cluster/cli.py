@@ -244,11 +244,17 @@ def _run_serve(args) -> int:
     config = serve_config(args)
     if config.model == TINY_NAME:
         print(f"note: {TINY_NOTE}", file=sys.stderr)
-    local_path(config.model)  # a named model is pulled here, once, before any actor needs it
+    else:
+        local_path(config.model)  # a named model is pulled here, once, before any actor needs it
     print(
         f"starting pdcluster ({config.mode}, model {config.model})...", file=sys.stderr, flush=True
     )
-    running = start_cluster(config, address=args.address)  # Ctrl-C here stops what started
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    # Ctrl-C here stops what started
+    running = start_cluster(config, address=args.address, progress=progress)
     import ray
 
     from cluster.status import clear_state, write_state

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from cluster.replica_shape import ReplicaShape
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.named_models import DEFAULT_MODEL
@@ -34,6 +35,16 @@ class PoolConfig:
     initial_replicas: int | None = None
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    # Custom Ray resources a replica reserves beside its CPUs and GPUs, e.g.
+    # {"accelerator_type:H100": 0.001} (the node type) or a resource `ray start --resources`
+    # gave some nodes.
+    resources: dict = field(default_factory=dict)
+    # Ray node labels a replica's node must have (`ray start --labels`), e.g. {"pool":
+    # "decode"}; values take Ray's selector syntax ("!v", "in(a,b)").
+    node_labels: dict = field(default_factory=dict)
+    # A replica that cannot be placed for this long is given up (and planned again): it
+    # waits for free room or for the autoscaler's new node until then, never blocking the rest.
+    placement_timeout_s: float = 600.0
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for this pool
 
     def __post_init__(self) -> None:
@@ -54,6 +65,38 @@ class PoolConfig:
             raise ConfigError("initial_replicas: a pool starts with at least one replica")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus and num_gpus must be >= 0")
+        if not isinstance(self.resources, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, int | float) and v > 0
+            for k, v in self.resources.items()
+        ):
+            raise ConfigError(
+                f"resources: must map resource names to positive amounts, got {self.resources!r}"
+            )
+        reserved = {"CPU", "GPU"} & set(self.resources)
+        if reserved:
+            raise ConfigError(
+                f"resources: set {', '.join(sorted(reserved))} with num_cpus/num_gpus"
+            )
+        if not isinstance(self.node_labels, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v
+            for k, v in self.node_labels.items()
+        ):
+            raise ConfigError(
+                f"node_labels: must map label names to strings, got {self.node_labels!r}"
+            )
+        if not self.num_cpus and not self.num_gpus and not self.resources:
+            raise ConfigError(
+                "a replica must reserve something (num_cpus, num_gpus or resources) to be placed"
+            )
+        if not self.placement_timeout_s > 0:
+            raise ConfigError(
+                f"placement_timeout_s: must be positive, got {self.placement_timeout_s!r}"
+            )
+
+    def shape(self) -> ReplicaShape:
+        """What one replica reserves (cluster.placement)."""
+        bundle = {"CPU": float(self.num_cpus), "GPU": float(self.num_gpus), **self.resources}
+        return ReplicaShape({k: float(v) for k, v in bundle.items() if v}, dict(self.node_labels))
 
     @property
     def initial(self) -> int:

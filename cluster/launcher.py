@@ -13,11 +13,13 @@ import dataclasses
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterStartError, Controller
@@ -75,26 +77,69 @@ def connect_ray(config: ClusterConfig, address: str | None) -> bool:
     return True
 
 
-def start_cluster(config: ClusterConfig, address: str | None = None) -> RunningCluster:
+def start_cluster(
+    config: ClusterConfig,
+    address: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RunningCluster:
+    """Start the controller on this node (the router goes beside it), wait until every
+    initial replica serves, and return. ``progress`` gets a line whenever a replica's state
+    or reason changes (pending on a node, loading its model, ready). Raises
+    ClusterStartError with the reason when the router cannot bind, a replica fails to
+    load, or one is not placed within its pool's ``placement_timeout_s``."""
     if not config.kv.token:
         config = dataclasses.replace(
             config, kv=dataclasses.replace(config.kv, token=secrets.token_urlsafe(24))
         )
     running = RunningCluster(config=config, started_ray=connect_ray(config, address))
     try:
+        here = ray.get_runtime_context().get_node_id()
         running.controller = (
             ray.remote(Controller)
-            .options(name="controller", namespace=config.namespace, num_cpus=0, max_concurrency=100)
+            .options(
+                name="controller",
+                namespace=config.namespace,
+                num_cpus=0,
+                max_concurrency=100,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            )
             .remote(config)
         )
-        running.urls = ray.get(running.controller.start.remote())
-    except ClusterStartError as err:  # raised in the controller, re-raised here by Ray
-        stop_cluster(running)
-        raise ClusterStartError(str(err.cause if isinstance(err, RayTaskError) else err)) from None
+        running.urls = _unwrap(lambda: ray.get(running.controller.start.remote()))
+        shown: dict[str, str] = {}
+        while True:
+            started = _unwrap(lambda: ray.get(running.controller.wait_started.remote(2.0)))
+            for replica in started["replicas"]:
+                line = _progress_line(replica)
+                if progress is not None and shown.get(replica["name"]) != line:
+                    progress(line)
+                shown[replica["name"]] = line
+            if started["error"] is not None:
+                raise ClusterStartError(started["error"])
+            if started["done"]:
+                break
+        _unwrap(lambda: ray.get(running.controller.serve.remote()))
     except BaseException:
         stop_cluster(running)
         raise
     return running
+
+
+def _progress_line(replica: dict) -> str:
+    state, name = replica["state"], replica["name"]
+    if state == "pending":
+        return f"{name}: pending, {replica['reason']}"
+    where = f" on {replica['node']}" if replica["node"] else ""
+    shown = {"starting": "loading its model", "warming": "ready"}.get(state, state)
+    return f"{name}: {shown}{where}"
+
+
+def _unwrap(call: Callable[[], Any]) -> Any:
+    """``call()``; a ClusterStartError raised in the controller comes out as itself."""
+    try:
+        return call()
+    except ClusterStartError as err:  # re-raised here by Ray, wrapped
+        raise ClusterStartError(str(err.cause if isinstance(err, RayTaskError) else err)) from None
 
 
 def stop_cluster(running: RunningCluster) -> None:

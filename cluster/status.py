@@ -73,11 +73,19 @@ def format_status(status: dict) -> str:
         f"SLO: TTFT p{slo['percentile']:g} <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms; "
         f"attainment (last 60 s): {'n/a' if attainment is None else f'{attainment:.1%}'}"
     )
+    targets = status.get("targets", {})
     for pool, replicas in status["pools"].items():
-        lines.append(f"{pool} ({len(replicas)} replicas)")
+        wanted = f", {targets[pool]} wanted" if pool in targets else ""
+        lines.append(f"{pool} ({len(replicas)} replicas{wanted})")
         for r in replicas:
+            if r["state"] == "pending":
+                lines.append(
+                    f"  {r['name']:<14} pending   for {r['waited_s']:>6.1f}s  {r['reason']}"
+                )
+                continue
             lines.append(
-                f"  {r['name']:<14} {r['state']:<9} age {r['age_s']:>7.1f}s  running {r['running']:>3}  "
+                f"  {r['name']:<14} {r['state']:<9} age {r['age_s']:>7.1f}s  "
+                f"node {r.get('node') or '?':<15} running {r['running']:>3}  "
                 f"queued {r['queued_tokens']:>6} tok  kv {r['kv_usage']:.0%}"
             )
     lines.append(f"planner: {'on' if status['planner_enabled'] else 'off'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.errors import EngineError
@@ -14,7 +15,11 @@ class KVTransferOptions:
     wire_dtype: str = "fp8"  # fp8 | passthrough
     lease_timeout_s: float = 30.0
     max_frames_in_flight: int = 8
-    host: str = "127.0.0.1"  # where decode workers' KV receivers listen
+    # Where decode workers' KV receivers listen, and the address prefill workers dial: "auto"
+    # is the node's own (Ray's node IP, so a prefill on another node reaches it; loopback
+    # outside Ray); "0.0.0.0" listens on every interface and advertises the node's IP; any
+    # other address is bound and advertised as given (one value for every node).
+    host: str = "auto"
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     # gRPC: the kv frames of a transfer of at least data_channel_min_bytes go over a second,
@@ -59,3 +64,35 @@ class KVTransferOptions:
             raise EngineError("kv max_frames_in_flight must be at least 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise EngineError("kv TLS needs both a certificate and a key")
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise EngineError(f"kv host must be 'auto' or an address, got {self.host!r}")
+
+    def bind_host(self) -> str:
+        """The address a receive side binds: ``host``, or the node's own for ``auto``."""
+        return node_address() if self.host == "auto" else self.host
+
+    def advertised_host(self) -> str:
+        """The address a receive side tells senders to dial (never a wildcard)."""
+        bound = self.bind_host()
+        return node_address() if bound in WILDCARDS else bound
+
+    def on_this_node(self) -> KVTransferOptions:
+        """These options with ``auto`` resolved here, for processes that cannot ask Ray
+        (a tensor-parallel replica's ranks 1..t-1 are children of the actor)."""
+        if self.host != "auto":
+            return self
+        return dataclasses.replace(self, host=node_address())
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]")
+
+
+def node_address() -> str:
+    """This process's node address as the cluster knows it: Ray's node IP inside a Ray
+    driver or worker (``ray start --node-ip-address``, else what Ray detected), loopback
+    outside Ray (one process, or tests)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"

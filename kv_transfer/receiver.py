@@ -100,6 +100,7 @@ class KVReceiverServer:
         fingerprint: dict,
         *,
         host: str = "127.0.0.1",
+        advertised_host: str | None = None,
         port: int = 0,
         token: str,
         tls_cert: bytes | None = None,
@@ -119,6 +120,7 @@ class KVReceiverServer:
         self.leases = leases
         self.fingerprint = frames.normalise_fingerprint(fingerprint)
         self.host = host
+        self.advertised_host = advertised_host or host  # what senders dial (not a wildcard)
         self.port = port
         self._expected_auth = f"Bearer {token}".encode()
         self._tls = (tls_cert, tls_key) if tls_cert is not None else None
@@ -185,7 +187,7 @@ class KVReceiverServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.advertised_host}:{self.port}"
 
     def _sweep(self) -> None:
         while not self._stop.wait(self.sweep_interval_s):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 
 import ray
 
@@ -15,36 +16,69 @@ logger = logging.getLogger(__name__)
 
 
 class RouterActor:
+    """``bind`` first (the ports are the API's: an error there ends start-up before any model
+    loads), then ``start`` once the replicas are ready."""
+
     def __init__(self) -> None:
         self.backend = None
+        self.config = None
+        self.http_socket: socket.socket | None = None
         self.http_server = None
         self.http_task: asyncio.Task | None = None
         self.grpc_server = None
         self.urls: dict = {}
         self.namespace = "pdcluster"
 
+    async def bind(self, router_config: dict) -> dict:
+        """Bind the HTTP (and gRPC) ports on this node; returns the URLs. Raises OSError
+        naming the address when a port cannot be bound (taken, or not this node's)."""
+        from router.config import RouterConfig
+
+        self.config = config = RouterConfig(**router_config)
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        try:
+            self.http_socket = socket.create_server((config.host, config.port), family=family)
+        except OSError as err:
+            raise OSError(
+                f"cannot bind the HTTP API to {config.host}:{config.port}: {err.strerror or err}"
+            ) from None
+        port = self.http_socket.getsockname()[1]
+        self.urls = {"http": f"http://{config.host}:{port}"}
+        if config.grpc_port is not None:
+            from router.grpc_api import bind_grpc_server
+
+            try:
+                self.grpc_server, grpc_port = bind_grpc_server(config)
+            except OSError:
+                self.http_socket.close()
+                raise
+            self.urls["grpc"] = f"{config.host}:{grpc_port}"
+        return self.urls
+
     async def start(
         self,
         *,
         model: str,
-        router_config: dict,
         limits: dict,
         slo: dict | None = None,
         replicas: dict[str, Pool],
         colocated: bool,
         namespace: str,
     ) -> dict:
-        """Connect to the worker actors (``replicas``: actor name → pool), start serving;
-        returns the URLs. ``slo``: ``{"ttft_ms", "tpot_ms"}`` for SLO-aware admission."""
+        """Connect to the worker actors (``replicas``: actor name → pool), serve on the
+        ports ``bind`` holds; returns the URLs. ``slo``: ``{"ttft_ms", "tpot_ms"}`` for
+        SLO-aware admission."""
         import uvicorn
 
         from engine.checkpoint import Checkpoint, served_name
         from router.admission import SLOTargets
-        from router.config import RouterConfig, RouterLimits
+        from router.config import RouterLimits
         from router.openai_api import create_app, server_config
         from router.ray_backend import RayBackend
 
-        config = RouterConfig(**router_config)
+        if self.http_socket is None:
+            raise RuntimeError("start() before bind()")
+        config = self.config
         self.namespace = namespace
         handles = {name: ray.get_actor(name, namespace=namespace) for name in replicas}
         decode_pool = Pool.COLOCATED if colocated else Pool.DECODE
@@ -66,19 +100,16 @@ class RouterActor:
         await self.backend.start()
         app = create_app(self.backend, config)
         self.http_server = uvicorn.Server(server_config(app, config))
-        self.http_task = asyncio.create_task(self.http_server.serve())
+        self.http_task = asyncio.create_task(self.http_server.serve(sockets=[self.http_socket]))
         while not self.http_server.started:
             if self.http_task.done():
-                self.http_task.result()  # re-raise why it could not start (port taken, ...)
+                self.http_task.result()  # re-raise why it could not start
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.05)
-        port = self.http_server.servers[0].sockets[0].getsockname()[1]
-        self.urls = {"http": f"http://{config.host}:{port}"}
-        if config.grpc_port is not None:
-            from router.grpc_api import start_grpc_server
+        if self.grpc_server is not None:
+            from router.grpc_api import serve_grpc
 
-            self.grpc_server, grpc_port = await start_grpc_server(self.backend, config)
-            self.urls["grpc"] = f"{config.host}:{grpc_port}"
+            await serve_grpc(self.grpc_server, self.backend, config)
         return self.urls
 
     # ---- the controller's view and levers -------------------------------------------------
@@ -127,11 +158,13 @@ class RouterActor:
         if self.http_server is not None:
             self.http_server.should_exit = True
             self.http_server.force_exit = True  # do not wait for open connections to finish
-        grpc_stop = self.grpc_server.stop(grace=1.0) if self.grpc_server is not None else None
-        if grpc_stop is not None:
-            await grpc_stop
+        if self.grpc_server is not None:
+            with contextlib.suppress(Exception):  # never started, if start-up failed
+                await self.grpc_server.stop(grace=1.0)
         if self.http_task is not None:
             with contextlib.suppress(asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(self.http_task, timeout=2.0)
         if self.backend is not None:
             await self.backend.stop()
+        if self.http_socket is not None:
+            self.http_socket.close()

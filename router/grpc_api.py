@@ -171,14 +171,35 @@ async def start_grpc_server(
     picks a free port) in the running event loop. Returns the server (``await
     server.stop(grace)`` to end it) and the port it is bound to. ``metrics`` defaults to the
     backend's (``RouterMetrics.of``), the registry the HTTP app's /metrics shows."""
+    server, bound = bind_grpc_server(config, port)
+    await serve_grpc(server, backend, config, metrics)
+    return server, bound
+
+
+def bind_grpc_server(config: RouterConfig, port: int | None = None) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server bound to ``config.host``:``port`` (default ``config.grpc_port``) but
+    not serving yet: a port that cannot be bound is an OSError before anything else starts.
+    Needs the running event loop."""
     port = config.grpc_port if port is None else port
     if port is None:
         raise ValueError("no gRPC port: RouterConfig.grpc_port is None and none was given")
     server = grpc.aio.server()
+    try:
+        bound = server.add_insecure_port(f"{config.host}:{port}")
+    except RuntimeError as err:  # grpcio raises this where it cannot bind
+        raise OSError(f"cannot bind the gRPC API to {config.host}:{port}: {err}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC API to {config.host}:{port}")
+    return server, bound
+
+
+async def serve_grpc(
+    server: grpc.aio.Server,
+    backend: Backend,
+    config: RouterConfig,
+    metrics: RouterMetrics | None = None,
+) -> None:
+    """Serve the router's gRPC API over ``backend`` on a server ``bind_grpc_server`` bound."""
     servicer = RouterServicer(backend, config, metrics or RouterMetrics.of(backend))
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{config.host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind the gRPC server to {config.host}:{port}")
     await server.start()
-    return server, bound

@@ -8,6 +8,7 @@ or an intake (workers/serving_loop.py), then call ``self.loop.start()`` once rea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -36,7 +37,10 @@ class WorkerBase:
         layer_hook: LayerHook | None = None,
         intake: Callable[[], None] | None = None,
     ) -> None:
-        self.options = WorkerOptions.from_dict(options)
+        options = WorkerOptions.from_dict(options)
+        # kv.host auto → this node's IP, once, here where Ray can say it: the ranks 1..t-1
+        # (children of this actor) and every handle this worker gives out carry it.
+        self.options = dataclasses.replace(options, kv=options.kv.on_this_node())
         if self.options.torch_threads:
             torch.set_num_threads(self.options.torch_threads)
         self.name = name
