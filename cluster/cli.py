@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -240,8 +241,12 @@ def _run_serve(args) -> int:
     from cluster.launcher import start_cluster, stop_cluster
     from engine.checkpoint import local_path
     from engine.tiny import TINY_NAME, TINY_NOTE
+    from router.actor import check_ports
 
     config = serve_config(args)
+    # The router runs on this node: a port it cannot bind (taken, or not this node's
+    # address) is an error now, not after every model has loaded.
+    check_ports(dataclasses.asdict(config.router))
     if config.model == TINY_NAME:
         print(f"note: {TINY_NOTE}", file=sys.stderr)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 
 import ray
@@ -13,6 +14,29 @@ import ray
 from workers.pool import Pool
 
 logger = logging.getLogger(__name__)
+
+
+def bind_socket(host: str, port: int, what: str) -> socket.socket:
+    """A listening TCP socket on host:port; OSError naming ``what`` and the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as err:
+        why = os.strerror(err.errno) if err.errno else str(err)
+        raise OSError(f"cannot bind the {what} to {host}:{port}: {why}") from None
+
+
+def check_ports(router_config: dict) -> None:
+    """Raise the OSError the router would meet binding its ports, at once, from any process
+    of the router's node (``pdcluster serve`` runs there): before a cluster starts for it."""
+    from router.config import RouterConfig
+
+    config = RouterConfig(**router_config)
+    ports = [(config.port, "HTTP API")]
+    if config.grpc_port is not None:
+        ports.append((config.grpc_port, "gRPC API"))
+    for port, what in ports:
+        bind_socket(config.host, port, what).close()
 
 
 class RouterActor:
@@ -35,13 +59,7 @@ class RouterActor:
         from router.config import RouterConfig
 
         self.config = config = RouterConfig(**router_config)
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        try:
-            self.http_socket = socket.create_server((config.host, config.port), family=family)
-        except OSError as err:
-            raise OSError(
-                f"cannot bind the HTTP API to {config.host}:{config.port}: {err.strerror or err}"
-            ) from None
+        self.http_socket = bind_socket(config.host, config.port, "HTTP API")
         port = self.http_socket.getsockname()[1]
         self.urls = {"http": f"http://{config.host}:{port}"}
         if config.grpc_port is not None:

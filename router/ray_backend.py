@@ -173,9 +173,15 @@ class RayBackend(Backend):
                         error=f"request failed after {attempt} attempts: {last_error}",
                     )
                     return
-                # A pool may be empty for a moment while the controller replaces a replica.
+                # A pool may be empty while the controller replaces a replica. A stream that
+                # has tokens waits for it as long as a stream may stay silent: its node may be
+                # gone, and a replacement takes a placement and a model load.
                 await self._await_replicas(
-                    self.limits.queue_timeout_s if attempt > 0 else self.limits.replica_wait_s
+                    self.limits.replica_wait_s
+                    if attempt == 0
+                    else self.limits.idle_timeout_s
+                    if streamed
+                    else self.limits.queue_timeout_s
                 )
                 if attempt == 0 and first is not None:
                     start, member = first, index

@@ -50,7 +50,8 @@ def start(config_dict: dict, attempts: int = 3):
         try:
             return start_cluster(config)
         except Exception as err:
-            port_taken = "Failed to bind" in str(err) or "address already in use" in str(err)
+            message = str(err).lower()
+            port_taken = "failed to bind" in message or "address already in use" in message
             if not port_taken or attempt == attempts - 1:
                 raise
 
