@@ -257,7 +257,7 @@ class Controller:
             raise ValueError(
                 f"pools.{pool}: {replicas_wanted} replicas is outside [{bounds.min}, {bounds.max}]"
             )
-        self.targets[pool] = replicas_wanted
+        self._resize(pool, replicas_wanted, "scaled by hand")
         await self._reconcile_sizes()
         return sorted(r.name for r in self._live(pool))
 
@@ -413,24 +413,27 @@ class Controller:
             self._apply(decision)
 
     def _apply(self, decision) -> None:
+        self._resize(decision.pool, decision.target, decision.reason)
+
+    def _resize(self, pool: Pool, target: int, reason: str) -> None:
         """Set the pool's target: the control loop brings up what is missing; what is too
         many goes now, the pending first (nothing to drain), then the youngest ready (it
         holds the least cached prefixes), drained in the background."""
-        pool, target = decision.pool, decision.target
         live = self._live(pool)
         self.targets[pool] = target
         if target > len(live):
-            self._event("scale", f"{pool} {len(live)} -> {target}: {decision.reason}")
+            self._event("scale", f"{pool} {len(live)} -> {target}: {reason}")
         excess = len(live) - target
         if excess <= 0:
             return
         order = {"pending": 0, "starting": 1, "ready": 2}
         victims = sorted(live, key=lambda r: (order[r.state], -(r.ready_at or 0)))[:excess]
         for record in victims:
-            self._event("scale", f"-{record.name} ({record.state}): {decision.reason}")
+            self._event("scale", f"-{record.name} ({record.state}): {reason}")
             if record.state == "ready":
                 record.task = asyncio.create_task(self.drain_and_stop(record.name))
             elif record.task is not None:
+                self._forget(record)
                 record.task.cancel()  # its bring-up cleans up after itself
 
     def _event(self, kind: str, message: str) -> None:
