@@ -7,6 +7,7 @@ last decisions, read from the running cluster's controller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -50,17 +51,22 @@ def fetch_status(address: str | None) -> dict:
     prepare_ray_environment(address)
     import ray
 
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
-    except (ConnectionError, RuntimeError) as err:
-        raise RuntimeError(f"cannot reach the Ray cluster at {address}: {err}") from None
-    try:
-        controller = ray.get_actor("controller", namespace=namespace)
-        return ray.get(controller.status.remote(), timeout=30)
-    except ValueError:
-        raise RuntimeError(f"no pdcluster controller in the Ray cluster at {address}") from None
-    finally:
-        ray.shutdown()
+    # Ray's driver prints the cluster's error messages (a node marked dead, ...) to stdout
+    # from a thread of its own: on stderr, they cannot break `status --json`'s output.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            ray.init(
+                address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR"
+            )
+        except (ConnectionError, RuntimeError) as err:
+            raise RuntimeError(f"cannot reach the Ray cluster at {address}: {err}") from None
+        try:
+            controller = ray.get_actor("controller", namespace=namespace)
+            return ray.get(controller.status.remote(), timeout=30)
+        except ValueError:
+            raise RuntimeError(f"no pdcluster controller in the Ray cluster at {address}") from None
+        finally:
+            ray.shutdown()
 
 
 def format_status(status: dict) -> str:
