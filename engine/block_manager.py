@@ -14,11 +14,12 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from engine.errors import EngineError
+from engine.kv_events import KVEventLog
+from engine.prefix_hash import chain_hash
 
-
-def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Identity of a full block: its tokens and (through ``parent``) all tokens before it."""
-    return hash((parent, tuple(token_ids)))
+# The event log keeps this many touches per block of the cache: a reader a few seconds behind
+# at full churn still gets changes, not a snapshot.
+EVENTS_PER_BLOCK = 4
 
 
 def kv_cache_misfit(
@@ -67,6 +68,11 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
         self._cached: dict[int, int] = {}  # chain hash → block id
         self.prefix_hit_tokens = 0  # tokens served from the prefix cache since start
+        self.prefix_query_tokens = 0  # tokens looked up in it (allocations that used it)
+        # What the cache published and dropped, for the router's index (engine/kv_events.py)
+        self.events = KVEventLog(
+            self._cached.__contains__, self._cached.keys, EVENTS_PER_BLOCK * num_blocks
+        )
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -104,6 +110,8 @@ class BlockManager:
         table.extend(self._allocate_fresh() for _ in range(needed))
         cached_tokens = len(hits) * self.block_size
         self.prefix_hit_tokens += cached_tokens
+        if use_cache and self.enable_prefix_caching:
+            self.prefix_query_tokens += num_tokens
         return table, cached_tokens
 
     def can_allocate(
@@ -184,7 +192,9 @@ class BlockManager:
                 tokens = self._block_tokens(token_ids, index)
                 block.hash = chain_hash(parent, tokens)
                 block.token_ids = tokens
-                self._cached.setdefault(block.hash, block.block_id)
+                if block.hash not in self._cached:
+                    self._cached[block.hash] = block.block_id
+                    self.events.touched(block.hash)
             parent = block.hash
         return max(num_full, first)
 
@@ -224,6 +234,7 @@ class BlockManager:
             evicted = self.blocks[block_id]
             if self._cached.get(evicted.hash) == block_id:
                 del self._cached[evicted.hash]
+                self.events.touched(evicted.hash)
         block = self.blocks[block_id]
         block.hash = None
         block.token_ids = ()

@@ -400,6 +400,7 @@ class LLMEngine:
             free_blocks=bm.num_free_blocks,
             kv_usage=bm.num_used_blocks / bm.num_blocks,
             prefix_hit_tokens=bm.prefix_hit_tokens,
+            prefix_query_tokens=bm.prefix_query_tokens,
             step_cost=self.step_cost.estimate(),
             prompt_tokens_computed=self.num_prompt_tokens_computed,
             preemptions=self.scheduler.num_preemptions,

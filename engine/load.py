@@ -18,6 +18,7 @@ class EngineLoad:
     free_blocks: int = 0
     kv_usage: float = 0.0  # fraction of blocks in use
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, ever
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it, ever
     step_cost: StepCost | None = None  # from this replica's own recent steps
     prompt_tokens_computed: int = 0  # ever
     preemptions: int = 0  # ever

@@ -1,5 +1,5 @@
 """What every worker actor is: an engine on its serving loop, with the Ray-facing calls they
-all answer (info, calibrate, stats, shutdown).
+all answer (info, calibrate, stats, kv_events, shutdown).
 
 Subclasses give the loop its callbacks: ``on_result`` for each step's tokens, ``on_error``
 when a step fails (end every request it held, with the error), and optionally a layer hook
@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kv_events import KVCursor, KVEvents
 from engine.llm_engine import LLMEngine, StepResult
 from engine.tp_group import TensorParallelError
 from engine.tp_worker import FromRank, RankServiceFactory
@@ -121,6 +122,13 @@ class WorkerBase:
 
     def stats(self) -> WorkerStats:
         return self.worker_stats()
+
+    def kv_events(self, since: KVCursor | None = None) -> KVEvents:
+        """The prefix cache's block hashes stored and removed after ``since`` (the router's
+        index polls it with the cursor of its last answer; None or a stale cursor: a
+        snapshot). Called by Ray in the actor's thread; reads the log under the loop's lock."""
+        with self.loop.lock:
+            return self.engine.block_manager.events.since(since)
 
     def shutdown(self) -> None:
         self.loop.stop()  # under the loop's lock: no step is running after it
