@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.named_models import DEFAULT_MODEL
 from kv_transfer.options import KVTransferOptions
-from router.config import RouterConfig, RouterLimits
+from router.config import RouterConfig, RouterLimits, RoutingConfig
 from workers.options import WorkerOptions
 from workers.pool import Pool
 
@@ -171,6 +171,7 @@ class ClusterConfig:
     kv: KVTransferOptions = field(default_factory=KVTransferOptions)
     router: RouterConfig = field(default_factory=RouterConfig)
     limits: RouterLimits = field(default_factory=RouterLimits)  # YAML: router.limits
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # YAML: router.routing
     slo: SLOConfig = field(default_factory=SLOConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     torch_threads: int | None = 1  # per worker on CPU: two workers on two cores must not fight
@@ -254,6 +255,8 @@ class ClusterConfig:
             router = dict(data["router"]) if isinstance(data["router"], dict) else data["router"]
             if isinstance(router, dict) and "limits" in router:
                 kwargs["limits"] = _build(RouterLimits, router.pop("limits"), "router.limits")
+            if isinstance(router, dict) and "routing" in router:
+                kwargs["routing"] = _build(RoutingConfig, router.pop("routing"), "router.routing")
             kwargs["router"] = _build(RouterConfig, router, "router")
         for key, kind in (("slo", SLOConfig), ("planner", PlannerConfig)):
             if key in data:

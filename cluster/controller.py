@@ -157,6 +157,7 @@ class Controller:
         await self.router.start.remote(
             model=config.model,
             limits=dataclasses.asdict(config.limits),
+            routing=dataclasses.asdict(config.routing),
             slo=dataclasses.asdict(config.slo),
             replicas=ready,
             colocated=config.mode == "colocated",

@@ -11,6 +11,8 @@ from kv_transfer.errors import NoCapacityError
 
 
 class ColocatedWorker(EngineWorker):
+    computes_prompts = True  # its finished batches say what its prefix cache served
+
     def __init__(self, options: dict, name: str = "colocated-0") -> None:
         super().__init__(options, name)
         self.loop.start()

@@ -24,6 +24,7 @@ class _Pending:
     finish_reason: str | None = None
     error: str | None = None
     retryable: bool = False
+    num_cached_tokens: int | None = None
 
     def batch(self) -> TokenBatch:
         return TokenBatch(
@@ -33,6 +34,7 @@ class _Pending:
             finish_reason=self.finish_reason,
             error=self.error,
             retryable=self.retryable,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -58,13 +60,19 @@ class TokenOutbox:
             self._pending.setdefault(request_id, _Pending()).prompt_logprobs = entries
 
     def finish(
-        self, request_id: str, reason: str, error: str | None = None, retryable: bool = False
+        self,
+        request_id: str,
+        reason: str,
+        error: str | None = None,
+        retryable: bool = False,
+        num_cached_tokens: int | None = None,
     ) -> None:
         with self._ready:
             delta = self._pending.setdefault(request_id, _Pending())
             delta.finish_reason = reason
             delta.error = error
             delta.retryable = retryable
+            delta.num_cached_tokens = num_cached_tokens
             self._ready.notify_all()
 
     def collect(self, timeout_s: float) -> dict[str, TokenBatch]:

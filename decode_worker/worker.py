@@ -62,6 +62,8 @@ class EngineWorker(WorkerBase):
     """What decode and colocated workers share: a worker whose tokens go to an outbox that
     the router polls."""
 
+    computes_prompts = False  # a decode worker's prompts arrive as KV: nothing to report
+
     def __init__(self, options: dict, name: str, intake=None) -> None:
         self.outbox = TokenOutbox()
         super().__init__(
@@ -74,7 +76,11 @@ class EngineWorker(WorkerBase):
         for request_id, token, lp in result.new_tokens:
             self.outbox.add(request_id, token, lp)
         for output in result.finished:
-            self.outbox.finish(output.request_id, output.finish_reason)
+            self.outbox.finish(
+                output.request_id,
+                output.finish_reason,
+                num_cached_tokens=output.num_cached_tokens if self.computes_prompts else None,
+            )
 
     def _fail_all(self, err: Exception) -> None:
         """A step crashed: end every request with an error (and free its blocks) rather than

@@ -78,6 +78,7 @@ class RouterActor:
         *,
         model: str,
         limits: dict,
+        routing: dict | None = None,
         slo: dict | None = None,
         replicas: dict[str, Pool],
         colocated: bool,
@@ -90,7 +91,7 @@ class RouterActor:
 
         from engine.checkpoint import Checkpoint, served_name
         from router.admission import SLOTargets
-        from router.config import RouterLimits
+        from router.config import RouterLimits, RoutingConfig
         from router.openai_api import create_app, server_config
         from router.ray_backend import RayBackend
 
@@ -110,6 +111,7 @@ class RouterActor:
             block_size=info["block_size"],
             colocated=colocated,
             limits=RouterLimits(**limits),
+            routing=RoutingConfig(**(routing or {})),
             slo=None if slo is None else SLOTargets(**slo),
             kv_cache_tokens=info["num_blocks"] * info["block_size"],
         )

@@ -20,12 +20,15 @@ import ray
 
 from engine.block_manager import kv_cache_misfit
 from engine.errors import InvalidRequestError
+from engine.prefix_hash import block_hashes
 from engine.sequence import Fork
 from kv_transfer.errors import NoCapacityError
 from router.backend import GenerateRequest, NoReplica, Overloaded, RequestRejected, TokenDelta
 from router.config import RouterLimits
 from router.decode_line import DecodeLine, LineTimeout
 from router.dispatch import Colocated, Disaggregated
+from router.kv_index import KVIndex
+from router.prefill_routing import PrefillPolicy, choose_prefill
 from router.replicas import Replica, ReplicaSet
 from router.slo_admission import SLOAdmission
 from router.timeline import RequestTimeline
@@ -108,10 +111,13 @@ class Attempts:
         max_model_len: int,
         kv_cache_tokens: int | None,
         on_forecast_error: Callable[[float], None],
+        kv_index: KVIndex,
+        prefill_policy: PrefillPolicy = PrefillPolicy.KV_AWARE,
     ) -> None:
         """``kv_cache_tokens``: a decode replica's KV cache size (a request that can never
         fit it is refused with 400 before admission); ``on_forecast_error``: each TTFT
-        forecast's error, in seconds, as first tokens arrive."""
+        forecast's error, in seconds, as first tokens arrive; ``kv_index``: what each
+        replica's prefix cache holds, which ``prefill_policy`` may route by."""
         self.replicas = replicas
         self.streams = streams
         self.admission = admission
@@ -122,7 +128,10 @@ class Attempts:
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
         self.on_forecast_error = on_forecast_error
+        self.kv_index = kv_index
+        self.prefill_policy = prefill_policy
         self.counters = PrefillCounters()
+        self.routing_decisions: dict[str, int] = {}  # prefill choices by reason
 
     async def run(
         self, start: AttemptStart, index: int, served_by: set[str]
@@ -211,11 +220,23 @@ class Attempts:
                     prompt_logprobs=None
                     if batch.prompt_logprobs is None
                     else list(batch.prompt_logprobs),
+                    cached_tokens=self._cached_tokens(start, batch) if finishing else None,
                 )
                 if finishing:
                     return
         finally:
             self._leave(start, index, decode, finished, served_by)
+
+    @staticmethod
+    def _cached_tokens(start: AttemptStart, last: TokenBatch) -> int | None:
+        """The prompt tokens a prefix cache served: the prefill replica's (disaggregated),
+        or the worker's that computed the prompt itself (colocated)."""
+        task = start.prefill_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if result is not None:
+                return result.num_cached_tokens
+        return last.num_cached_tokens
 
     def _first_token(self, start: AttemptStart, now: float) -> None:
         """A token of ``start`` reached the router: the first ends its prompt's backlog."""
@@ -298,10 +319,7 @@ class Attempts:
         if not self.replicas.decode_candidates(pool, set()):
             raise NoReplica(f"no {pool} replica is ready")
         if self.dispatch.has_prefill_pool:
-            if (
-                self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
-                is None
-            ):
+            if not self.replicas.prefill_candidates():
                 raise NoReplica("no prefill replica is ready")
             queued = sum(r.stats.load.queued_tokens for r in self.replicas.pool(Pool.PREFILL))
             if queued + len(request.prompt_token_ids) > limits.max_prefill_queue_tokens:
@@ -401,13 +419,31 @@ class Attempts:
         """Run the prefill (one for all of ``start``'s sequences). On failure, each of them
         is retried (a fresh reservation, another prefill replica if this one died)."""
         request, rids, timeline = start.requests[0], start.worker_rids, start.timeline
-        replica = self.replicas.prefill_choice(request.prompt_token_ids, self.block_size, set())
-        if replica is None:
+        prompt = request.prompt_token_ids
+        # The blocks the engine's prefix cache could serve: never the one with the last token
+        hashes = block_hashes(prompt, self.block_size, len(prompt) - 1)
+        now = time.monotonic()
+        choice = choose_prefill(
+            self.prefill_policy,
+            self.replicas.prefill_candidates(),
+            prompt,
+            hashes,
+            self.kv_index,
+            self.block_size,
+            now,
+        )
+        if choice is None:
             self._signal_all(rids, Retry("no prefill replica is ready"))
             return None
+        replica = choice.replica
+        self.routing_decisions[choice.reason] = self.routing_decisions.get(choice.reason, 0) + 1
+        if request.params.prompt_logprobs is None:  # (such a prompt skips the cache)
+            self.kv_index.predict(replica.name, hashes, now)
+        computing = len(prompt) - choice.cached_blocks * self.block_size
         start.prefill_name = replica.name
         replica.in_flight += 1
-        timeline.prefill_sent = time.monotonic()
+        replica.prefill_tokens += computing
+        timeline.prefill_sent = now
         try:
             result = await replica.handle.prefill.remote(
                 rids[0],
@@ -426,6 +462,7 @@ class Attempts:
             return None
         finally:
             replica.in_flight -= 1
+            replica.prefill_tokens -= computing
         timeline.prefill_returned = time.monotonic()
         timeline.worker = result.times.to_dict()
         for rid, first in zip(rids, result.first_tokens, strict=True):

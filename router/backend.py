@@ -42,6 +42,9 @@ class TokenDelta:
     timings: dict[str, float] | None = None
     # With the first token, when params.prompt_logprobs is set: entry i is prompt token i's
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # On the last delta: prompt tokens served from a prefix cache (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens), when the backend knows
+    cached_tokens: int | None = None
 
 
 class BackendError(Exception):

@@ -84,3 +84,21 @@ class RouterLimits:
             raise ValueError("queue_timeout_s and replica_wait_s must be >= 0, idle_timeout_s > 0")
         if self.max_prefill_queue_tokens < 1 or self.max_attempts < 1:
             raise ValueError("max_prefill_queue_tokens and max_attempts must be >= 1")
+
+
+PREFILL_POLICIES = ("kv_aware", "least_loaded", "first_block_hash")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router picks replicas (YAML: ``router.routing``). ``prefill``: kv_aware (what
+    each replica's prefix cache holds against its backlog), least_loaded, or first_block_hash
+    (router/prefill_routing.py)."""
+
+    prefill: str = "kv_aware"
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_POLICIES:
+            raise ValueError(
+                f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}"
+            )

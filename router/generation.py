@@ -194,6 +194,7 @@ class TextDelta:
     finish_reason: str | None = None
     timings: dict[str, float] | None = None  # on the last delta (router.timeline)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first, when asked
+    cached_tokens: int | None = None  # on the last: prompt tokens a prefix cache served
 
 
 @dataclass
@@ -255,6 +256,7 @@ async def generate_text(
                     finish,
                     delta.timings,
                     delta.prompt_logprobs,
+                    delta.cached_tokens if finish is not None else None,
                 )
                 if finish is not None:
                     return

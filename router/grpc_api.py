@@ -84,6 +84,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if delta.finish_reason:
                     response.usage.prompt_tokens = stats.num_prompt_tokens
                     response.usage.completion_tokens = stats.num_output_tokens
+                    if delta.cached_tokens is not None:
+                        response.usage.cached_tokens = min(
+                            delta.cached_tokens, stats.num_prompt_tokens
+                        )
                 yield response
         except APIError as err:
             await _abort(context, err)

@@ -22,7 +22,12 @@ Series (the planner in cluster/ reads these names):
   ``pdcluster_decode_slot_limit{actor}`` (SLO-aware admission's limit per decode actor),
   ``pdcluster_kv_transfer_bytes_total``, ``pdcluster_kv_transfer_seconds_total``,
   ``pdcluster_kv_transfers_total``, ``pdcluster_prefills_total``, the same by transport
-  (``pdcluster_kv_transport_{transfers,bytes,seconds}_total{transport}``), and any
+  (``pdcluster_kv_transport_{transfers,bytes,seconds}_total{transport}``),
+  ``pdcluster_prefix_cache_queries_total{actor}`` and ``pdcluster_prefix_cache_hits_total{actor}``
+  (prompt tokens looked up in each actor's prefix cache and found there, as vLLM counts them),
+  ``pdcluster_kv_index_blocks{actor}`` (blocks the router's index says each actor caches),
+  ``pdcluster_router_prefill_routing_total{reason}`` (prefill choices: overlap, load, fallback,
+  hash; router/prefill_routing.py), and any
   other numeric key as ``pdcluster_backend_<key>`` (e.g. ``router_waiting``).
 """
 
@@ -169,6 +174,11 @@ class _BackendStatsCollector(Collector):
                 "pdcluster_decode_slot_limit",
                 "Requests a decode actor may serve at once under SLO-aware admission",
             ),
+            (
+                "kv_index_blocks",
+                "pdcluster_kv_index_blocks",
+                "Blocks the router's index says each actor caches",
+            ),
         )
         for key, name, doc in per_actor:
             family = GaugeMetricFamily(name, doc, labels=["actor"])
@@ -193,12 +203,33 @@ class _BackendStatsCollector(Collector):
             ("transport_bytes", "pdcluster_kv_transport_bytes", "KV bytes moved by transport"),
             ("transport_seconds", "pdcluster_kv_transport_seconds", "Time moving KV by transport"),
         )
-        for key, name, doc in per_transport:
-            family = CounterMetricFamily(name, doc, labels=["transport"])
-            for transport, value in sorted((stats.get(key) or {}).items()):
-                family.add_metric([str(transport)], float(value))
+        labelled_counters = (
+            (
+                "prefix_cache_queries",
+                "pdcluster_prefix_cache_queries",
+                "Prompt tokens looked up in the actor's prefix cache",
+                "actor",
+            ),
+            (
+                "prefix_cache_hits",
+                "pdcluster_prefix_cache_hits",
+                "Prompt tokens found in the actor's prefix cache",
+                "actor",
+            ),
+            (
+                "prefill_routing",
+                "pdcluster_router_prefill_routing",
+                "Prefill routing choices by reason",
+                "reason",
+            ),
+        )
+        per_transport = tuple((*entry, "transport") for entry in per_transport)
+        for key, name, doc, label in per_transport + labelled_counters:
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value_label, value in sorted((stats.get(key) or {}).items()):
+                family.add_metric([str(value_label)], float(value))
             yield family
-        known = {key for key, _, _ in per_actor + counters + per_transport}
+        known = {entry[0] for entry in per_actor + counters + per_transport + labelled_counters}
         for key, value in sorted(stats.items()):
             if key in known or isinstance(value, bool) or not isinstance(value, int | float):
                 continue

@@ -312,6 +312,7 @@ class OpenAIServer:
         waiting in the backend until their turn. With tools, a choice's text goes through
         its own tool-call reader, which holds back what may still be a call."""
         num_tokens = 0
+        cached: list[int | None] = []
         try:
             for index, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
                 tools = self.format.tool_stream(prep, index) if prep.tools is not None else None
@@ -323,9 +324,11 @@ class OpenAIServer:
                     else:
                         for chunk in tools.add(delta):
                             yield sse(chunk)
+                    if delta.finish_reason:
+                        cached.append(delta.cached_tokens)
                     delta = None if delta.finish_reason else await stream.__anext__()
             if prep.include_usage:
-                yield sse(self.format.usage_chunk(prep, num_tokens))
+                yield sse(self.format.usage_chunk(prep, num_tokens, cached))
             yield "data: [DONE]\n\n"
         except APIError as err:  # failed mid-stream: the status line is already sent
             yield sse(err.body())

@@ -98,9 +98,11 @@ class ResponseFormat:
         """Choice ``index`` of a streamed chat answer with tools offered, as chunks."""
         return ToolChunks(self, prep, index)
 
-    def usage_chunk(self, prep: Prepared, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prep: Prepared, completion_tokens: int, cached: list[int | None] | None = None
+    ) -> dict[str, Any]:
         chunk = self.envelope(prep, chunk=True)
-        chunk.update(choices=[], usage=self.usage(prep, completion_tokens))
+        chunk.update(choices=[], usage=self.usage(prep, completion_tokens, cached))
         return chunk
 
     def full_response(self, prep: Prepared, results: list[list[TextDelta]]) -> dict[str, Any]:
@@ -128,7 +130,8 @@ class ResponseFormat:
                 )
             )
             timings = timings or next((d.timings for d in deltas if d.timings), None)
-        out["usage"] = self.usage(prep, num_tokens)
+        cached = [deltas[-1].cached_tokens for deltas in results]
+        out["usage"] = self.usage(prep, num_tokens, cached)
         if prep.return_token_ids:
             ids = [r.prompt_token_ids for r in prep.requests[:: prep.n]]
             out["prompt_token_ids"] = ids[0] if len(ids) == 1 else ids
@@ -137,13 +140,26 @@ class ResponseFormat:
         return out
 
     @staticmethod
-    def usage(prep: Prepared, completion_tokens: int) -> dict[str, int]:
-        prompt = sum(len(r.prompt_token_ids) for r in prep.requests[:: prep.n])  # once per prompt
-        return {
+    def usage(
+        prep: Prepared, completion_tokens: int, cached: list[int | None] | None = None
+    ) -> dict[str, Any]:
+        """``cached``: each choice's prompt tokens served from a prefix cache (None: not
+        known); a prompt's n choices share its prefill, so it counts once per prompt."""
+        prompts = prep.requests[:: prep.n]
+        prompt = sum(len(r.prompt_token_ids) for r in prompts)  # once per prompt
+        out: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
         }
+        firsts = (cached or [])[:: prep.n]
+        if firsts and all(c is not None for c in firsts):
+            # a migrated request's last prompt held its streamed tokens too: at most its prompt
+            served = sum(
+                min(c, len(r.prompt_token_ids)) for c, r in zip(firsts, prompts, strict=False)
+            )
+            out["prompt_tokens_details"] = {"cached_tokens": served}
+        return out
 
     def _choice(
         self, prep, index, text, token_ids, logprobs, finish, chunk, is_first, prompt_logprobs=None

@@ -7,8 +7,9 @@ A request's life (docs/structure.md has it step by step):
 2. **reserve** — a place in the line for decode capacity (router/decode_line.py) until a
    decode actor (most free KV, fewest running) reserves KV for the prompt, before any
    prefill, so prefill never produces KV that has nowhere to go;
-3. **prefill** — a prefill actor (prefix affinity, then least queued tokens) computes the
-   prompt and streams its KV into the reservation (router/dispatch.py: in colocated mode
+3. **prefill** — a prefill actor (the cheapest: prompt tokens not in its prefix cache, by the
+   router's index of the replicas' KV events, plus its backlog; router/prefill_routing.py)
+   computes the prompt and streams its KV into the reservation (router/dispatch.py: in colocated mode
    one actor does both);
 4. **stream** — the decode actor's tokens, collected for every request at once by one
    long-poll loop per actor (router/token_streams.py);
@@ -47,11 +48,13 @@ from router.backend import (
     RequestRejected,
     TokenDelta,
 )
-from router.config import RouterLimits
+from router.config import RouterLimits, RoutingConfig
 from router.decode_line import DecodeLine
 from router.dispatch import Colocated, Disaggregated
+from router.kv_index import KVIndex
 from router.load_window import LoadWindow, RequestSample
 from router.metrics import RouterMetrics
+from router.prefill_routing import PrefillPolicy
 from router.replicas import ReplicaSet, ReplicaView
 from router.slo_admission import SLOAdmission
 from router.token_streams import TokenStreams
@@ -73,6 +76,7 @@ class RayBackend(Backend):
         block_size: int,
         colocated: bool = False,
         limits: RouterLimits | None = None,
+        routing: RoutingConfig | None = None,
         slo: SLOTargets | None = None,
         kv_cache_tokens: int | None = None,
     ) -> None:
@@ -89,7 +93,9 @@ class RayBackend(Backend):
         self.dispatch = Colocated() if colocated else Disaggregated()
         self.decode_pool = self.dispatch.decode_pool
         self.limits = limits or RouterLimits()
+        self.routing = routing or RoutingConfig()
         self.replicas = ReplicaSet()
+        self.kv_index = KVIndex()
         self.load = LoadWindow()
         self.streams = TokenStreams(self.replicas)
         self.line = DecodeLine()
@@ -105,6 +111,8 @@ class RayBackend(Backend):
             max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens,
             on_forecast_error=lambda s: RouterMetrics.of(self).ttft_forecast_error.observe(s),
+            kv_index=self.kv_index,
+            prefill_policy=PrefillPolicy(self.routing.prefill),
         )
         self._stats_task: asyncio.Task | None = None
         self.retries_total = 0
@@ -122,10 +130,12 @@ class RayBackend(Backend):
         replica = self.replicas.by_name.get(name)
         if replica is not None:
             replica.draining = True
+        self.kv_index.drop(name)  # routed nowhere now: its prefixes go where they are cheapest
 
     def remove_replica(self, name: str) -> None:
         """Forget an actor (drained, or dead); requests still on it are retried elsewhere."""
         replica = self.replicas.remove(name)
+        self.kv_index.drop(name)
         self.admission.replica_removed(name)
         self.streams.stop_polling(name)
         if replica is not None:
@@ -279,6 +289,10 @@ class RayBackend(Backend):
             "queue_tokens": {r.name: r.stats.load.queued_tokens for r in replicas},
             "running": {r.name: r.stats.load.running for r in replicas},
             "kv_usage": {r.name: r.stats.load.kv_usage for r in replicas},
+            "kv_index_blocks": {r.name: self.kv_index.blocks(r.name) for r in replicas},
+            "prefix_cache_queries": {r.name: r.stats.load.prefix_query_tokens for r in replicas},
+            "prefix_cache_hits": {r.name: r.stats.load.prefix_hit_tokens for r in replicas},
+            "prefill_routing": dict(self.attempts.routing_decisions),
             "transfer_bytes_total": counters.transfer_bytes,
             "transfer_seconds_total": counters.transfer_seconds,
             "prefills_total": counters.prefills,
@@ -315,18 +329,27 @@ class RayBackend(Backend):
             await self._refresh_stats()
 
     async def _refresh_stats(self) -> None:
+        """Every replica's stats, and what its prefix cache stored and removed since the
+        index's last read (a draining replica's cache is not routed to: not read)."""
         replicas = list(self.replicas.by_name.values())
+        indexed = [r for r in replicas if not r.draining]
         results = await asyncio.gather(
-            *(r.handle.stats.remote() for r in replicas), return_exceptions=True
+            *(r.handle.stats.remote() for r in replicas),
+            *(r.handle.kv_events.remote(self.kv_index.cursor(r.name)) for r in indexed),
+            return_exceptions=True,
         )
         now = time.time()
-        for replica, result in zip(replicas, results, strict=True):
+        for replica, result in zip(replicas, results[: len(replicas)], strict=True):
             if isinstance(result, BaseException):
                 replica.alive = False
+                self.kv_index.drop(replica.name)
             else:
                 replica.stats, replica.stats_at = result, now
                 replica.alive = True
                 self.admission.update(replica)
+        for replica, events in zip(indexed, results[len(replicas) :], strict=True):
+            if replica.alive and not replica.draining and not isinstance(events, BaseException):
+                self.kv_index.apply(replica.name, events)
 
 
 def _attempt_request(request: GenerateRequest, streamed: list[int]) -> GenerateRequest:

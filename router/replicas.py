@@ -1,5 +1,5 @@
 """The worker actors as the router sees them: who is alive, draining, how loaded, and the
-routing policies that choose among them."""
+decode routing policy (prefill routing: router/prefill_routing.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from typing import Any
 
 from workers.messages import WorkerStats
 from workers.pool import Pool
-
-# A prefill replica keeps a prompt's prefix affinity unless its queue is this many tokens
-# longer than the shortest one.
-AFFINITY_SLACK_TOKENS = 4096
 
 
 @dataclass
@@ -25,6 +21,7 @@ class Replica:
     alive: bool = True
     draining: bool = False  # takes no new requests; finishes what it has
     in_flight: int = 0  # requests this router sent there that have not finished
+    prefill_tokens: int = 0  # prompt tokens it is computing for this router (prefill calls out)
     ready_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -59,23 +56,9 @@ class ReplicaSet:
 
         return sorted(alive, key=load)
 
-    def prefill_choice(
-        self, prompt: list[int], block_size: int, exclude: set[str]
-    ) -> Replica | None:
-        """Prefix affinity (the same first block → the same replica, where it is cached),
-        unless that replica's queue is much longer than the shortest."""
-        alive = sorted(
-            (r for r in self.pool(Pool.PREFILL) if r.routable and r.name not in exclude),
-            key=lambda r: r.name,
-        )
-        if not alive:
-            return None
-        queued = {r.name: r.stats.load.queued_tokens + r.in_flight * len(prompt) for r in alive}
-        preferred = alive[hash(tuple(prompt[:block_size])) % len(alive)]
-        least = min(alive, key=lambda r: queued[r.name])
-        if queued[preferred.name] - queued[least.name] <= AFFINITY_SLACK_TOKENS:
-            return preferred
-        return least
+    def prefill_candidates(self, exclude: set[str] = frozenset()) -> list[Replica]:
+        """Routable prefill replicas (router/prefill_routing.py chooses among them)."""
+        return [r for r in self.pool(Pool.PREFILL) if r.routable and r.name not in exclude]
 
     def summary(self) -> dict[str, ReplicaView]:
         return {

@@ -77,6 +77,9 @@ class TokenBatch:
     # An "error" another attempt can get past: the sequence never started decoding here (its
     # KV did not arrive), so the router retries it rather than failing the request.
     retryable: bool = False
+    # With the finish reason, from an engine that computed the prompt itself (colocated):
+    # its tokens that the prefix cache served.
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -105,4 +105,8 @@ class FakeBackend(Backend):
             "transfer_bytes_total": 1024,
             "transfer_seconds_total": 0.5,
             "router_waiting": 2,
+            "prefix_cache_queries": {"prefill-0": 300},
+            "prefix_cache_hits": {"prefill-0": 192},
+            "kv_index_blocks": {"prefill-0": 40},
+            "prefill_routing": {"overlap": 5, "load": 2},
         }

@@ -45,6 +45,10 @@ def test_metrics_after_requests(router, backend):
     assert _value(text, "pdcluster_kv_transfer_bytes_total") == 1024
     assert _value(text, "pdcluster_kv_transfer_seconds_total") == 0.5
     assert _value(text, "pdcluster_backend_router_waiting") == 2
+    assert _value(text, 'pdcluster_prefix_cache_queries_total{actor="prefill-0"}') == 300
+    assert _value(text, 'pdcluster_prefix_cache_hits_total{actor="prefill-0"}') == 192
+    assert _value(text, 'pdcluster_kv_index_blocks{actor="prefill-0"}') == 40
+    assert _value(text, 'pdcluster_router_prefill_routing_total{reason="overlap"}') == 5
     assert _value(text, "pdcluster_router_requests_in_flight") == 0
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from engine.kv_events import KVCursor, KVEvents
 from engine.load import EngineLoad
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ByteTokenizer
@@ -31,6 +32,10 @@ class _Method:
         return asyncio.ensure_future(self.fn(*args, **kwargs))  # runs even if never awaited
 
 
+async def _no_kv_events(since: KVCursor | None = None) -> KVEvents:
+    return KVEvents(KVCursor("fake", 0), snapshot=True)  # a prefix cache holding nothing
+
+
 class FakeDecode:
     """Takes ``capacity`` requests at once; each emits one token per poll once prefilled."""
 
@@ -45,6 +50,7 @@ class FakeDecode:
         self.poll = _Method(self._poll)
         self.cancel = _Method(self._cancel)
         self.stats = _Method(self._stats)
+        self.kv_events = _Method(_no_kv_events)
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, forks=()) -> dict:
         self.reserving += 1
@@ -84,6 +90,7 @@ class FakePrefill:
         self.prefill = _Method(self._prefill)
         self.cancel = _Method(self._cancel)
         self.stats = _Method(self._stats)
+        self.kv_events = _Method(_no_kv_events)
 
     async def _prefill(self, rid, prompt, params, reservation, forks=()) -> PrefillResult:
         await asyncio.sleep(0.001)
