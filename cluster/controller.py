@@ -456,6 +456,10 @@ class Controller:
             "running": load.running,
             "queued_tokens": load.queued_tokens,
             "kv_usage": round(load.kv_usage, 3),
+            # prompt tokens its prefix cache served, of those looked up (None: none yet)
+            "prefix_hit_rate": round(load.prefix_hit_tokens / load.prefix_query_tokens, 3)
+            if load.prefix_query_tokens
+            else None,
             "alive": view.alive if view is not None else record.state == "ready",
         }
 

@@ -89,10 +89,12 @@ def format_status(status: dict) -> str:
                     f"  {r['name']:<14} pending   for {r['waited_s']:>6.1f}s  {r['reason']}"
                 )
                 continue
+            hit_rate = r.get("prefix_hit_rate")
             lines.append(
                 f"  {r['name']:<14} {r['state']:<9} age {r['age_s']:>7.1f}s  "
                 f"node {r.get('node') or '?':<15} running {r['running']:>3}  "
-                f"queued {r['queued_tokens']:>6} tok  kv {r['kv_usage']:.0%}"
+                f"queued {r['queued_tokens']:>6} tok  kv {r['kv_usage']:.0%}  "
+                f"prefix hits {'-' if hit_rate is None else f'{hit_rate:.0%}'}"
             )
     lines.append(f"planner: {'on' if status['planner_enabled'] else 'off'}")
     for d in status.get("decisions", [])[-6:]:
