@@ -104,6 +104,9 @@ def _add_bench(sub) -> None:
     from benchmarks.gpu_kernels import add_kernels_parser
 
     add_chaos_parser(benches)
+    from benchmarks.prefix_bench import add_prefix_parser
+
+    add_prefix_parser(benches)
     add_kernels_parser(benches)
     try:
         from benchmarks.transfer_bench import add_transfer_parser
