@@ -17,9 +17,11 @@ from engine.errors import EngineError
 from engine.kv_events import KVEventLog
 from engine.prefix_hash import chain_hash
 
-# The event log keeps this many touches per block of the cache: a reader a few seconds behind
-# at full churn still gets changes, not a snapshot.
+# The event log keeps this many touches per block of the cache (a reader a few seconds behind
+# at full churn still gets changes, not a snapshot), up to a bound for caches of millions
+# of blocks (8 bytes an entry; the hashes themselves are the cache's own).
 EVENTS_PER_BLOCK = 4
+MAX_EVENTS = 1 << 20
 
 
 def kv_cache_misfit(
@@ -71,7 +73,9 @@ class BlockManager:
         self.prefix_query_tokens = 0  # tokens looked up in it (allocations that used it)
         # What the cache published and dropped, for the router's index (engine/kv_events.py)
         self.events = KVEventLog(
-            self._cached.__contains__, self._cached.keys, EVENTS_PER_BLOCK * num_blocks
+            self._cached.__contains__,
+            self._cached.keys,
+            min(EVENTS_PER_BLOCK * num_blocks, MAX_EVENTS),
         )
 
     # ---- capacity -------------------------------------------------------------------

@@ -348,8 +348,11 @@ class RayBackend(Backend):
                 replica.alive = True
                 self.admission.update(replica)
         for replica, events in zip(indexed, results[len(replicas) :], strict=True):
-            if replica.alive and not replica.draining and not isinstance(events, BaseException):
-                self.kv_index.apply(replica.name, events)
+            # (removed or draining while the calls were out: its entries stay dropped)
+            current = self.replicas.by_name.get(replica.name) is replica
+            if current and replica.alive and not replica.draining:
+                if not isinstance(events, BaseException):
+                    self.kv_index.apply(replica.name, events)
 
 
 def _attempt_request(request: GenerateRequest, streamed: list[int]) -> GenerateRequest:

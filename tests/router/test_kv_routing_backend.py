@@ -91,3 +91,21 @@ def test_usage_counts_each_prompts_cached_tokens_once_and_only_when_known():
     # a migrated request's last prompt held its streamed tokens: never more than the prompt
     one = Prep([[1] * 40], n=1)
     assert ResponseFormat.usage(one, 8, [48])["prompt_tokens_details"] == {"cached_tokens": 40}
+
+
+def test_a_replica_removed_while_its_events_are_read_stays_out_of_the_index():
+    class SlowEvents(CachingPrefill):
+        async def _kv_events(self, since=None):
+            await asyncio.sleep(0.2)
+            return self.bm.events.since(since)
+
+    async def run():
+        backend, decode = make_backend(capacity=8)
+        backend.replicas.by_name["prefill-0"].handle = SlowEvents(decode)
+        reading = asyncio.create_task(backend._refresh_stats())
+        await asyncio.sleep(0.05)
+        backend.remove_replica("prefill-0")  # dead or drained meanwhile
+        await reading
+        return backend.kv_index.known("prefill-0")
+
+    assert asyncio.run(run()) is False
