@@ -3,6 +3,10 @@ then decodes with continuous batching and hands tokens to the router in per-step
 
 Request life on this worker:
 1. ``reserve`` (router, before prefill starts): validate, lease blocks for the prompt's KV.
+   The leading blocks its own prefix cache holds go into the lease as they are, and the
+   prefill sends only the rest. Where what is left is short enough that computing it here
+   costs less than a remote prefill's round trip (measured: ``local_prefill_limit``), the
+   request is prefilled here instead, like a colocated worker's, and never leaves.
    No capacity → ``NoCapacityError`` (the router tries another replica or answers 429).
 2. The KV receive side (its own threads) writes the prefill worker's blocks into the lease; its
    final frame carries the first token and hands the request over (``_arrive``); the
@@ -21,7 +25,9 @@ A request is admitted once every rank has its heads.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +58,7 @@ class PendingRequest:
     prompt_token_ids: list[int]
     members: list[Fork]  # not cancelled, in reservation order
     lease_id: str
+    reserved_at: float = field(default_factory=time.monotonic)
     slots: dict[str, int] = field(init=False)  # member → its first token's index
 
     def __post_init__(self) -> None:
@@ -76,11 +83,17 @@ class EngineWorker(WorkerBase):
         for request_id, token, lp in result.new_tokens:
             self.outbox.add(request_id, token, lp)
         for output in result.finished:
+            computed = self._computed_prompt(output.request_id)
             self.outbox.finish(
                 output.request_id,
                 output.finish_reason,
-                num_cached_tokens=output.num_cached_tokens if self.computes_prompts else None,
+                num_cached_tokens=output.num_cached_tokens if computed else None,
             )
+
+    def _computed_prompt(self, request_id: str) -> bool:
+        """Whether this worker computed the finished ``request_id``'s prompt (its prefix
+        cache's account of it is the one to report); asked once per finished request."""
+        return self.computes_prompts
 
     def _fail_all(self, err: Exception) -> None:
         """A step crashed: end every request with an error (and free its blocks) rather than
@@ -101,9 +114,18 @@ class EngineWorker(WorkerBase):
         return found
 
 
+# Recent remote prefills' round trips (reserve → KV arrived) kept for the local-prefill
+# limit; it takes their lower quartile, the round trip a short or cached prompt costs.
+REMOTE_ROUND_TRIPS = 64
+
+
 class DecodeWorker(EngineWorker):
     def __init__(self, options: dict, name: str = "decode-0") -> None:
         self._arrived: collections.deque[Lease] = collections.deque()  # transfers done
+        self._local: set[str] = set()  # requests (and forks) prefilled here, unfinished
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=REMOTE_ROUND_TRIPS)
+        self.remote_prefills = self.reused_blocks = 0
+        self.local_prefills = self.local_prefill_tokens = 0
         super().__init__(options, name, intake=self._admit_arrived)
         kv = self.options.kv
         self.pending: dict[str, PendingRequest] = {}  # by its request id (its lease's)
@@ -140,9 +162,14 @@ class DecodeWorker(EngineWorker):
         prompt_token_ids: list[int],
         params: SamplingParams,
         forks: tuple[Fork, ...] = (),
+        local_prefill_limit: int | None = 0,
     ) -> Reservation:
         """Lease blocks for the prompt's KV before its prefill starts; ``forks`` will decode
-        from the same blocks. The reservation is what the prefill streams into.
+        from the same blocks. The reservation is what the prefill streams into: the blocks
+        this worker's prefix cache holds are leased as they are and not sent. Where at most
+        ``local_prefill_limit`` prompt tokens are left to compute (None: this worker's
+        measured limit; 0: never), it prefills them itself and the reservation says
+        ``local``: no prefill replica is asked.
 
         Raises InvalidRequestError for a request this worker can never serve and
         NoCapacityError when it cannot take it now."""
@@ -159,20 +186,62 @@ class DecodeWorker(EngineWorker):
                 raise NoCapacityError(
                     f"{self.name} is at its limit of {engine.config.max_num_seqs} sequences"
                 )
+            bm = engine.block_manager
+            cached = bm.cached_prefix_tokens(prompt_token_ids)
             # Keep a block of headroom per running sequence (and fork) so admissions do not
             # force immediate preemptions.
-            needed = engine.block_manager.blocks_needed(len(prompt_token_ids) + 1) + len(forks)
-            if needed + len(scheduler.running) > engine.block_manager.num_free_blocks:
-                raise NoCapacityError(
-                    f"{self.name} has {engine.block_manager.num_free_blocks} free KV blocks"
-                )
-            lease = self.leases.reserve(request_id, len(prompt_token_ids))
+            needed = bm.blocks_needed(len(prompt_token_ids) + 1) - cached // bm.block_size
+            if needed + len(forks) + len(scheduler.running) > bm.num_free_blocks:
+                raise NoCapacityError(f"{self.name} has {bm.num_free_blocks} free KV blocks")
+            limit = (
+                self.local_prefill_limit() if local_prefill_limit is None else local_prefill_limit
+            )
+            if len(prompt_token_ids) - cached <= limit:
+                engine.add_request(list(prompt_token_ids), params, request_id, forks)
+                self._local.update(m.request_id for m in members)
+                self.local_prefills += 1
+                self.local_prefill_tokens += len(prompt_token_ids) - cached
+                self.loop.wake()
+                return Reservation(local=True, cached_tokens=cached)
+            lease = self.leases.reserve(
+                request_id, len(prompt_token_ids), token_ids=prompt_token_ids
+            )
             self.pending[request_id] = PendingRequest(
                 list(prompt_token_ids), members, lease.lease_id
             )
             for fork in forks:
                 self._member_of[fork.request_id] = request_id
-        return Reservation(self.kv.handle_for(lease))
+        handle = self.kv.handle_for(lease)
+        if lease.first_block:
+            handle = dataclasses.replace(handle, first_block=lease.first_block)
+        return Reservation(handle, cached_tokens=lease.first_block * bm.block_size)
+
+    def local_prefill_limit(self) -> int:
+        """The most prompt tokens this worker prefills itself rather than have a prefill
+        replica send them: as many as its own measured prefill rate computes within the
+        round trip a remote prefill costs here (reserve → KV arrived, their lower quartile:
+        what a short or cached prompt pays for dispatch, handshake and transfer), at most a
+        step's token budget. With no round trip measured yet, none; with no prefill of its
+        own measured yet, one block (the first such prefill measures the rate). Engine lock
+        held."""
+        if not self._round_trips:
+            return 0
+        engine = self.engine
+        cost = engine.step_cost.estimate()
+        if cost is None or not cost.prompt_tokens or cost.per_token_s <= 0:
+            return engine.block_manager.block_size
+        round_trip = sorted(self._round_trips)[len(self._round_trips) // 4]
+        return min(engine.config.max_num_batched_tokens, int(round_trip / cost.per_token_s))
+
+    def _fail_all(self, err: Exception) -> None:
+        super()._fail_all(err)
+        self._local.clear()  # every request of the engine ended
+
+    def _computed_prompt(self, request_id: str) -> bool:
+        if request_id in self._local:
+            self._local.discard(request_id)
+            return True
+        return False
 
     def _is_pending(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self._member_of
@@ -205,6 +274,9 @@ class DecodeWorker(EngineWorker):
         if pending is None or not pending.members:  # cancelled meanwhile: free the blocks
             self.engine.block_manager.free(list(lease.block_ids))
             return
+        self._round_trips.append(time.monotonic() - pending.reserved_at)
+        self.remote_prefills += 1
+        self.reused_blocks += lease.first_block
         head, *forks = pending.members
         try:
             tokens = [lease.first_token, *lease.fork_tokens]
@@ -253,6 +325,7 @@ class DecodeWorker(EngineWorker):
 
     def cancel(self, request_id: str) -> bool:
         with self.loop.lock:
+            self._local.discard(request_id)
             owner = self._member_of.get(request_id, request_id)
             pending = self.pending.get(owner)
             if pending is not None and any(m.request_id == request_id for m in pending.members):
@@ -272,6 +345,11 @@ class DecodeWorker(EngineWorker):
                 pending_sequences=self._num_pending(),
                 leases=self.leases.active(),
                 kv=self.kv.stats(),
+                remote_prefills=self.remote_prefills,
+                reused_blocks=self.reused_blocks,
+                local_prefills=self.local_prefills,
+                local_prefill_tokens=self.local_prefill_tokens,
+                local_prefill_limit=self.local_prefill_limit(),
             )
         return self.worker_stats(decode=counters)
 

@@ -91,6 +91,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """The prompt tokens ``allocate`` would serve from the prefix cache now (whole
+        blocks, never the one holding the last token); counts nothing."""
+        return len(self._prefix_hits(token_ids, len(token_ids))) * self.block_size
+
     # ---- sequence lifecycle --------------------------------------------------------
     def allocate(
         self, token_ids: Sequence[int], num_tokens: int | None = None, use_cache: bool = True

@@ -55,6 +55,9 @@ class KVHandle:
     # A tensor-parallel decode replica: every rank's receiver and KV heads (kv_transfer.
     # sharding); empty when one receiver at ``address`` holds all of them.
     receivers: tuple[RankReceiver, ...] = ()
+    # The sequence's blocks before this one the receiver holds already (its prefix cache):
+    # the transfer starts at it.
+    first_block: int = 0
 
 
 @dataclass(frozen=True)

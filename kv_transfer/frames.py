@@ -7,7 +7,8 @@ A transfer (one gRPC ``Push`` stream, see ``protos/kv_transfer.proto``) is
    "layout", "heads"}``; the receiver refuses a mismatch before it decodes anything else.
    ``heads`` = [start, stop): the model's KV heads this stream carries (between
    tensor-parallel replicas a transfer is one stream per pair of ranks, each with some
-   heads, kv_transfer.sharding); absent, all of them;
+   heads, kv_transfer.sharding); absent, all of them. ``first_block`` (absent: 0): the
+   stream starts at that block, the receiver's own prefix cache holding those before it;
 2. **kv** frames, per group of blocks of one layer or of consecutive layers: ``{"type": "kv",
    "layer", "block_start", "block_count"}`` and ``"layer_count"`` when more than one; per
    layer (from ``layer`` on) the payload holds the K blocks then the V blocks ``[block_count,
@@ -101,6 +102,7 @@ class Handshake:
     nixl_layout: tuple[tuple[int, int, int], ...] = ()
     nixl_blocks: int = 0  # NIXL: blocks per layer of the sender's cache
     heads: tuple[int, int] | None = None  # the model's KV heads [start, stop) carried; None: all
+    first_block: int = 0  # blocks before it are not sent: the receiver's cache has them
 
     @property
     def num_blocks(self) -> int:
@@ -314,6 +316,20 @@ def _nixl_layout(meta: dict) -> tuple[tuple[int, int, int], ...]:
     return tuple((a, s, r) for a, s, r in value)
 
 
+def _first_block(fields: dict) -> int:
+    """The handshake's first block sent (absent: 0), short of the sequence's last block."""
+    if "first_block" not in fields:
+        return 0
+    first = _int(fields, "first_block")
+    blocks = -(-_int(fields, "num_tokens", minimum=1) // _int(fields, "block_size", minimum=1))
+    if first >= blocks:
+        raise FrameError(
+            f"handshake field 'first_block' {first} leaves none of the sequence's {blocks} "
+            "blocks to send"
+        )
+    return first
+
+
 def _heads(meta: dict, fingerprint: dict) -> tuple[int, int] | None:
     value = meta.get("heads")
     if value is None:
@@ -402,6 +418,7 @@ def decode_frame(meta: bytes, payload: bytes | Landed, crc: int) -> Frame:
             nixl_layout=_nixl_layout(fields),
             nixl_blocks=_int(fields, "nixl_blocks") if "nixl_blocks" in fields else 0,
             heads=_heads(fields, fingerprint),
+            first_block=_first_block(fields),
         )
     if kind == END:
         forks = fields.get("fork_tokens", [])

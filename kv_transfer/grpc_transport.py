@@ -187,6 +187,7 @@ class GrpcSendSide(KVSendSide):
             cache.num_layers,
             wire_dtype,
             cache.dtype,
+            first_block=handle.first_block,
             **extra,
         )
 

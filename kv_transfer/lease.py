@@ -33,7 +33,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -65,6 +65,9 @@ class Lease:
     block_ids: list[int]  # wire block i of the sequence → cache block block_ids[i]
     num_tokens: int
     deadline: float  # clock() time after which an unfinished lease is released
+    # Blocks [0, first_block) came from this worker's own prefix cache: a transfer fills
+    # only the rest.
+    first_block: int = 0
     state: str = RESERVED  # reserved | receiving | complete | released
     first_token: int | None = None
     fork_tokens: tuple[int, ...] = ()  # the first tokens of the prompt's forks, if any
@@ -126,20 +129,35 @@ class LeaseTable:
         self._ended: OrderedDict[str, Lease] = OrderedDict()  # complete or released, recent
 
     # ---- router / decode worker side --------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int, timeout_s: float | None = None) -> Lease:
-        """Reserve ``ceil(num_tokens / block_size)`` blocks. Raises NoCapacityError."""
+    def reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        timeout_s: float | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> Lease:
+        """Reserve ``ceil(num_tokens / block_size)`` blocks. With the prompt's ``token_ids``,
+        the leading blocks this cache already holds are taken from its prefix cache (never
+        the one holding the last token) and the lease's ``first_block`` says how many: the
+        transfer fills only the rest. Raises NoCapacityError."""
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for a lease of {num_tokens} tokens")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        bm = self.block_manager
         with self.engine_lock:
-            needed = self.block_manager.blocks_needed(num_tokens)
-            free = self.block_manager.num_free_blocks
-            if needed > free:
-                raise NoCapacityError(
-                    f"KV cache has {free} free blocks; request {request_id!r} needs {needed}"
-                )
             try:
-                block_ids = self.block_manager.reserve(needed)
+                if token_ids is not None and bm.can_allocate(token_ids):
+                    block_ids, cached_tokens = bm.allocate(token_ids)
+                else:
+                    needed, free = bm.blocks_needed(num_tokens), bm.num_free_blocks
+                    if needed > free:
+                        raise NoCapacityError(
+                            f"KV cache has {free} free blocks; request {request_id!r} needs "
+                            f"{needed}"
+                        )
+                    block_ids, cached_tokens = bm.reserve(needed), 0
             except EngineError as err:
                 raise NoCapacityError(str(err)) from None
             lease = Lease(
@@ -148,6 +166,7 @@ class LeaseTable:
                 block_ids=block_ids,
                 num_tokens=num_tokens,
                 deadline=self.clock() + timeout,
+                first_block=cached_tokens // bm.block_size,
             )
             if self.peers is not None:
                 lease.peers_pending = set(self.peers.ranks)

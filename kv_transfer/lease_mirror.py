@@ -37,6 +37,7 @@ class OpenLease:
     block_ids: tuple[int, ...]
     num_tokens: int
     timeout_s: float
+    first_block: int = 0  # blocks before it: rank 0's prefix cache had them (every rank's)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,12 @@ class RankLeases(LeasePeers):
         timeout = max(0.0, lease.deadline - time.monotonic())
         self._send(
             OpenLease(
-                lease.lease_id, lease.request_id, tuple(lease.block_ids), lease.num_tokens, timeout
+                lease.lease_id,
+                lease.request_id,
+                tuple(lease.block_ids),
+                lease.num_tokens,
+                timeout,
+                lease.first_block,
             )
         )
 
@@ -121,6 +127,7 @@ class MirrorLeaseTable(LeaseTable):
             block_ids=list(message.block_ids),
             num_tokens=message.num_tokens,
             deadline=self.clock() + message.timeout_s,
+            first_block=message.first_block,
         )
         with self._adopted:
             self._leases[lease.lease_id] = lease

@@ -342,6 +342,11 @@ class _Transfer:
             block_size=self.cache.block_size,
             cache_is_fp8=self.cache.is_fp8,
         )
+        if handshake.first_block != lease.first_block:
+            raise FrameError(
+                f"handshake starts at block {handshake.first_block} but lease {lease.lease_id} "
+                f"holds blocks 0..{lease.first_block - 1} already and needs the rest"
+            )
         if handshake.num_blocks != len(lease.block_ids):
             raise FrameError(
                 f"handshake announces {handshake.num_tokens} tokens ({handshake.num_blocks} "
@@ -429,7 +434,8 @@ class _Transfer:
     def _receive_layers(self, it, spec: WireSpec, lease: Lease) -> None:
         cache, leases = self.cache, self.server.leases
         num_layers, num_blocks = cache.num_layers, len(lease.block_ids)
-        next_block = [0] * num_layers  # per layer: the next block index expected
+        # per layer: the next block index expected (those before first_block are cached here)
+        next_block = [lease.first_block] * num_layers
         if cache.device.type == "cpu":
             block_ids = lease.block_ids
         else:

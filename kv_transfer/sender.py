@@ -178,12 +178,14 @@ class KVSender:
         heads: tuple[int, int] | None = None,
         nixl_layout: tuple[tuple[int, int, int], ...] = (),
         nixl_blocks: int = 0,
+        first_block: int = 0,
     ) -> TransferStream:
         """Start the RPC and send the handshake. ``wire_dtype``: "passthrough" or "fp8";
         ``cache_dtype``: the dtype of the blocks ``send_layer`` will get. ``nixl_agent``: the
         NIXL transport's agent metadata, and where its registered cache lies (its blocks
         then go as ``send_ready`` frames).
-        ``heads``: the model's KV heads the blocks hold (default: all)."""
+        ``heads``: the model's KV heads the blocks hold (default: all). ``first_block``: the
+        first block sent (those before it the receiver has)."""
         payload_dtype = payload_dtype_for(wire_dtype, cache_dtype)
         handshake = frames.Handshake(
             request_id=request_id,
@@ -197,6 +199,7 @@ class KVSender:
             nixl_layout=nixl_layout,
             nixl_blocks=nixl_blocks,
             heads=heads,
+            first_block=first_block,
         )
         start, stop = handshake.head_range()
         spec = WireSpec(

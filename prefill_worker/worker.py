@@ -131,7 +131,8 @@ class PrefillWorker(WorkerBase):
             raise PrefillError(f"{self.name}: {request_id} has no KV handle to stream to")
         stream = self.kv.open(reservation.kv, request_id, len(prompt_token_ids))
         members = [request_id, *(f.request_id for f in forks)]
-        job = PrefillJob(request_id, stream, members)
+        # The decode replica's own prefix cache holds the blocks before first_block
+        job = PrefillJob(request_id, stream, members, blocks_sent=reservation.kv.first_block)
         if stream.reads_in_place:
             stream.on_sources_free(lambda: self._free_sources(job))
         with self.loop.lock:

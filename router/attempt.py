@@ -132,6 +132,10 @@ class Attempts:
         self.prefill_policy = prefill_policy
         self.counters = PrefillCounters()
         self.routing_decisions: dict[str, int] = {}  # prefill choices by reason
+        # Where prompts were prefilled (a prefill replica, or the decode replica itself:
+        # "remote", "local"), and the prompt tokens decode replicas' own caches held.
+        self.prefill_paths: dict[str, int] = {}
+        self.decode_reused_tokens = 0
 
     async def run(
         self, start: AttemptStart, index: int, served_by: set[str]
@@ -290,7 +294,11 @@ class Attempts:
         start.backlog = len(head.prompt_token_ids)
         self.admission.prefill_backlog_tokens += start.backlog
         if self.dispatch.has_prefill_pool:
-            start.prefill_task = asyncio.create_task(self._prefill(start, reservation))
+            path = "local" if reservation.local else "remote"
+            self.prefill_paths[path] = self.prefill_paths.get(path, 0) + 1
+            self.decode_reused_tokens += reservation.cached_tokens
+            if not reservation.local:  # else the decode replica computes the prompt itself
+                start.prefill_task = asyncio.create_task(self._prefill(start, reservation))
         return decode
 
     def _release_slot(self, decode: Replica, worker_rid: str, cancel: bool) -> None:
@@ -381,7 +389,11 @@ class Attempts:
         SLO slot limit); None if all are full right now. The request and its forks count a
         slot each."""
         pool = self.dispatch.decode_pool
-        candidates = self.replicas.decode_candidates(pool, set())
+        prompt, now = request.prompt_token_ids, time.monotonic()
+        hashes = block_hashes(prompt, self.block_size, len(prompt) - 1)
+        candidates = self.replicas.decode_candidates(
+            pool, set(), lambda r: self.kv_index.overlap(r.name, hashes, now)
+        )
         if not candidates:
             raise NoReplica(f"no {pool} replica is ready")
         width = 1 + len(forks)

@@ -96,9 +96,25 @@ class RoutingConfig:
     (router/prefill_routing.py)."""
 
     prefill: str = "kv_aware"
+    # A decode replica whose own prefix cache holds all of a prompt but at most this many
+    # tokens prefills them itself (no prefill replica, no transfer): "auto" = where its
+    # measured prefill cost stays under the measured cost of a remote prefill's round trip;
+    # 0 = never.
+    decode_local_prefill: str | int = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill not in PREFILL_POLICIES:
             raise ValueError(
                 f"prefill must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill!r}"
             )
+        local = self.decode_local_prefill
+        if local != "auto" and (not isinstance(local, int) or isinstance(local, bool) or local < 0):
+            raise ValueError(
+                "decode_local_prefill must be 'auto' or a token count >= 0 (0: never), got "
+                f"{local!r}"
+            )
+
+    @property
+    def local_prefill_limit(self) -> int | None:
+        """What a decode replica's ``reserve`` takes: None for its own measure."""
+        return None if self.decode_local_prefill == "auto" else int(self.decode_local_prefill)

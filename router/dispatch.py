@@ -20,13 +20,21 @@ class Disaggregated:
     prefill_pool = Pool.PREFILL  # where prompts are computed
     has_prefill_pool = True
 
+    def __init__(self, local_prefill_limit: int | None = 0) -> None:
+        self.local_prefill_limit = local_prefill_limit  # None: each decode replica's measure
+
     async def reserve(
         self, handle: Any, worker_rid: str, request: GenerateRequest, forks: tuple[Fork, ...]
     ) -> Reservation:
         """KV for the prompt on a decode replica, before any prefill: the reservation its
-        prefill streams into (the router hands it on unread)."""
+        prefill streams into (the router hands it on unread), or one saying the replica
+        prefills it itself (``local``)."""
         return await handle.reserve.remote(
-            worker_rid, request.prompt_token_ids, request.params, forks
+            worker_rid,
+            request.prompt_token_ids,
+            request.params,
+            forks,
+            local_prefill_limit=self.local_prefill_limit,
         )
 
 

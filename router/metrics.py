@@ -27,7 +27,8 @@ Series (the planner in cluster/ reads these names):
   (prompt tokens looked up in each actor's prefix cache and found there, as vLLM counts them),
   ``pdcluster_kv_index_blocks{actor}`` (blocks the router's index says each actor caches),
   ``pdcluster_router_prefill_routing_total{reason}`` (prefill choices: overlap, load, fallback,
-  hash; router/prefill_routing.py), and any
+  hash; router/prefill_routing.py), ``pdcluster_router_prefill_path_total{path}`` (prompts
+  prefilled on a prefill replica, remote, or on their decode replica, local), and any
   other numeric key as ``pdcluster_backend_<key>`` (e.g. ``router_waiting``).
 """
 
@@ -221,6 +222,12 @@ class _BackendStatsCollector(Collector):
                 "pdcluster_router_prefill_routing",
                 "Prefill routing choices by reason",
                 "reason",
+            ),
+            (
+                "prefill_path",
+                "pdcluster_router_prefill_path",
+                "Prompts prefilled on a prefill replica (remote) or on their decode replica (local)",
+                "path",
             ),
         )
         per_transport = tuple((*entry, "transport") for entry in per_transport)

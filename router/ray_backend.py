@@ -90,10 +90,12 @@ class RayBackend(Backend):
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.colocated = colocated
-        self.dispatch = Colocated() if colocated else Disaggregated()
-        self.decode_pool = self.dispatch.decode_pool
         self.limits = limits or RouterLimits()
         self.routing = routing or RoutingConfig()
+        self.dispatch = (
+            Colocated() if colocated else Disaggregated(self.routing.local_prefill_limit)
+        )
+        self.decode_pool = self.dispatch.decode_pool
         self.replicas = ReplicaSet()
         self.kv_index = KVIndex()
         self.load = LoadWindow()
@@ -293,6 +295,8 @@ class RayBackend(Backend):
             "prefix_cache_queries": {r.name: r.stats.load.prefix_query_tokens for r in replicas},
             "prefix_cache_hits": {r.name: r.stats.load.prefix_hit_tokens for r in replicas},
             "prefill_routing": dict(self.attempts.routing_decisions),
+            "prefill_path": dict(self.attempts.prefill_paths),
+            "decode_reused_tokens_total": self.attempts.decode_reused_tokens,
             "transfer_bytes_total": counters.transfer_bytes,
             "transfer_seconds_total": counters.transfer_seconds,
             "prefills_total": counters.prefills,

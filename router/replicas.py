@@ -4,6 +4,7 @@ decode routing policy (prefill routing: router/prefill_routing.py)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +47,18 @@ class ReplicaSet:
     def pool(self, pool: Pool) -> list[Replica]:
         return [r for r in self.by_name.values() if r.pool == pool]
 
-    def decode_candidates(self, pool: Pool, exclude: set[str]) -> list[Replica]:
-        """Routable decode (or colocated) replicas, most free KV first, then fewest running."""
+    def decode_candidates(
+        self, pool: Pool, exclude: set[str], reused: Callable[[Replica], int] | None = None
+    ) -> list[Replica]:
+        """Routable decode (or colocated) replicas, most free KV first, then fewest running.
+        ``reused(replica)``: the prompt's blocks its own prefix cache holds, which it need not
+        lease afresh: they count as free there (the KV left free after taking the request)."""
         alive = [r for r in self.pool(pool) if r.routable and r.name not in exclude]
 
         def load(r: Replica) -> tuple:
             free = r.stats.load.free_blocks - r.in_flight  # in-flight ones will take blocks
+            if reused is not None:
+                free += reused(r)
             return (-free, r.stats.load.running + r.in_flight, r.name)
 
         return sorted(alive, key=load)

@@ -15,9 +15,12 @@ from kv_transfer.connector import KVHandle, ReceiverStats
 class Reservation:
     """Decode KV leased for a prompt (``DecodeWorker.reserve``): the handle its prefill
     streams the KV to, which the router carries unread. None for a colocated worker (nothing
-    to stream)."""
+    to stream) and where the decode replica prefills the prompt itself (``local``: its own
+    prefix cache held all but a short remainder, cheaper to compute there than to send)."""
 
     kv: KVHandle | None = None
+    local: bool = False
+    cached_tokens: int = 0  # prompt tokens the decode replica's own prefix cache held
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,14 @@ class DecodeCounters:
     pending_sequences: int = 0  # their sequences (a prompt with n choices counts n)
     leases: int = 0  # leases holding blocks (reserved or receiving)
     kv: ReceiverStats = field(default_factory=ReceiverStats)
+    # Reuse across the split: prompts whose KV came from a prefill replica, the blocks of
+    # theirs this replica's prefix cache held (not sent); prompts it prefilled itself, and
+    # the tokens it computed for them; the most it would compute itself now (its measure).
+    remote_prefills: int = 0
+    reused_blocks: int = 0
+    local_prefills: int = 0
+    local_prefill_tokens: int = 0
+    local_prefill_limit: int = 0
 
 
 @dataclass(frozen=True)

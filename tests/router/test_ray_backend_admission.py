@@ -52,7 +52,9 @@ class FakeDecode:
         self.stats = _Method(self._stats)
         self.kv_events = _Method(_no_kv_events)
 
-    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, forks=()) -> dict:
+    async def _reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams, forks=(), local_prefill_limit=0
+    ) -> dict:
         self.reserving += 1
         self.most_reserving = max(self.most_reserving, self.reserving)
         try:
