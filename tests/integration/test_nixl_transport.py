@@ -24,7 +24,9 @@ def _counter(text: str, name: str, transport: str) -> float:
 
 
 def test_a_cluster_on_nixl_serves_the_offline_engines_tokens(ray_session):
-    running = start({"engine": ENGINE, "kv": {"transport": "nixl"}})
+    # every prompt over the transport under test, none prefilled on the decode replica
+    local_off = {"routing": {"decode_local_prefill": 0}}
+    running = start({"engine": ENGINE, "kv": {"transport": "nixl"}, "router": local_off})
     try:
         llm = LLM("tiny", progress=False, **ENGINE)
         greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
