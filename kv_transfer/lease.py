@@ -148,7 +148,7 @@ class LeaseTable:
         bm = self.block_manager
         with self.engine_lock:
             try:
-                if token_ids is not None and bm.can_allocate(token_ids):
+                if token_ids is not None:  # raises EngineError where the pool cannot hold it
                     block_ids, cached_tokens = bm.allocate(token_ids)
                 else:
                     needed, free = bm.blocks_needed(num_tokens), bm.num_free_blocks

@@ -8,27 +8,19 @@ import dataclasses
 
 import pytest
 
-from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from prefill_worker.worker import PrefillWorker
-from tests.integration.test_workers_in_process import collect, options
+from tests.integration import test_workers_in_process as in_process
+from tests.integration.test_workers_in_process import collect
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FIRST = [(i * 13) % 250 + 3 for i in range(70)]  # 4 full blocks and a partial one
+workers = in_process.workers  # the same pair of in-process workers (a fixture)
 
 
 @pytest.fixture(scope="module")
 def offline():
     return LLM("tiny", num_kv_blocks=64, progress=False)
-
-
-@pytest.fixture
-def workers():
-    decode = DecodeWorker(options(), "decode-0")
-    prefill = PrefillWorker(options(max_num_batched_tokens=32), "prefill-0")
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
 
 
 def spy_first_blocks(prefill: PrefillWorker) -> list[int]:
