@@ -108,6 +108,9 @@ def _add_bench(sub) -> None:
 
     add_prefix_parser(benches)
     add_kernels_parser(benches)
+    from benchmarks.host_tier_bench import add_host_tier_parser
+
+    add_host_tier_parser(benches)
     try:
         from benchmarks.transfer_bench import add_transfer_parser
     except ImportError:  # pragma: no cover - arrives with the KV transfer benchmark

@@ -28,6 +28,8 @@ DTYPES = {
     "half": torch.float16,
 }
 KV_CACHE_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# What a preempted sequence becomes (engine/scheduler.py): see EngineConfig.preemption_mode
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 def parse_dtype(name: str | torch.dtype, *, allow_fp8: bool = False) -> torch.dtype:
@@ -247,6 +249,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     # ranks of one replica, each holding 1/t of the heads and MLP (engine.tensor_parallel)
     tensor_parallel_size: int = 1
+    # A host-memory KV tier beside the device cache (engine.host_kv_tier): evicted prefix
+    # blocks and swapped-out sequences. 0 = none; num_host_kv_blocks overrides the size.
+    host_kv_cache_gb: float = 0.0
+    num_host_kv_blocks: int | None = None
+    # On preemption: auto = swap to the host tier where its measured copies cost less than
+    # a recompute; recompute = always recompute; swap = swap whenever the tier has room.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1) or self.block_size < 8:
@@ -275,6 +284,41 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise EngineError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        gb = self.host_kv_cache_gb
+        if isinstance(gb, bool) or not isinstance(gb, int | float) or not 0 <= gb < math.inf:
+            raise EngineError(f"host_kv_cache_gb must be a number >= 0, got {gb!r}")
+        blocks = self.num_host_kv_blocks
+        if blocks is not None and (
+            isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0
+        ):
+            raise EngineError(f"num_host_kv_blocks must be a positive integer, got {blocks!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise EngineError(
+                f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and not self.wants_host_tier:
+            raise EngineError(
+                "preemption_mode swap needs a host KV tier (host_kv_cache_gb or num_host_kv_blocks)"
+            )
+        if self.wants_host_tier and self.tensor_parallel_size > 1:
+            # Its synchronous copies run on rank 0 only; the other ranks' shards would not
+            # move with it.
+            raise EngineError("the host KV tier does not support tensor_parallel_size > 1 yet")
+
+    @property
+    def wants_host_tier(self) -> bool:
+        return self.host_kv_cache_gb > 0 or self.num_host_kv_blocks is not None
+
+    def host_blocks_for(self, bytes_per_block: int) -> int:
+        """Slots of the host KV tier (0: none) for device blocks of ``bytes_per_block``."""
+        if self.num_host_kv_blocks is not None:
+            return self.num_host_kv_blocks
+        if self.host_kv_cache_gb <= 0:
+            return 0
+        return max(1, math.floor(self.host_kv_cache_gb * 2**30 / bytes_per_block))
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

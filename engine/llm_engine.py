@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cpu_gemm import GemmPlan, QuantizedGemm, cached_plan, limit_blas_threads
 from engine.cuda_graphs import DecodeGraphs, warm_up_kernels
 from engine.errors import EngineError, InvalidRequestError
+from engine.host_kv_tier import HostKVTier
 from engine.host_memory import keep_freed_host_memory
 from engine.kernels import cpu_native
 from engine.kernels.cpu_attention import choose_prefill_kernel
@@ -172,11 +173,18 @@ class LLMEngine:
         self.cache = PagedKVCache(
             local_config, num_blocks, config.block_size, kv_dtype, self.device
         )
+        num_host_blocks = config.host_blocks_for(self.cache.bytes_per_block())
+        # Beside the cache, same block shape (tp 1 only: EngineConfig refuses more).
+        self.host_tier = HostKVTier(self.cache, num_host_blocks) if num_host_blocks else None
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, self.host_tier
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            preemption_mode=config.preemption_mode,
+            prefill_token_s=self._prefill_token_s,
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed, self.model_config.vocab_size, self.tokenizer)
@@ -190,6 +198,12 @@ class LLMEngine:
             self._warm_up_cuda()
             self.num_prompt_tokens_computed = 0
             self.step_cost = StepCostModel()  # compiles and captures are not its steps
+
+    def _prefill_token_s(self) -> float | None:
+        """Seconds per prompt token as this replica's steps measured them (None before any):
+        what the scheduler weighs a recompute at."""
+        cost = self.step_cost.estimate()
+        return cost.per_token_s if cost is not None and cost.per_token_s > 0 else None
 
     def _start_tensor_parallel(
         self, model: str | Path, num_blocks: int, service: RankServiceFactory | None
@@ -379,6 +393,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "vocab_size": self.model_config.vocab_size,
             "max_num_seqs": self.config.max_num_seqs,
+            "num_host_kv_blocks": self.host_tier.num_slots if self.host_tier else 0,
             "tensor_parallel": {
                 "size": self.layout.size,
                 "rank_pids": [os.getpid(), *(p.pid for p in self._tp_processes)],
@@ -405,7 +420,24 @@ class LLMEngine:
             prompt_tokens_computed=self.num_prompt_tokens_computed,
             preemptions=self.scheduler.num_preemptions,
             max_num_seqs=self.config.max_num_seqs,
+            **self.tier_load(),
         )
+
+    def tier_load(self) -> dict[str, int]:
+        """The host KV tier's and the preemptions' counters (``EngineLoad``'s fields of the
+        same names; all 0 but the recomputes without a tier)."""
+        scheduler, bm = self.scheduler, self.block_manager
+        stats = self.host_tier.stats() if self.host_tier is not None else None
+        return {
+            "recomputes": scheduler.num_recomputes,
+            "swaps_out": scheduler.num_swaps_out,
+            "swaps_in": scheduler.num_swaps_in,
+            "host_blocks": stats.num_slots if stats else 0,
+            "host_blocks_used": stats.used_slots if stats else 0,
+            "host_hit_tokens": bm.host_hit_tokens,
+            "host_offloads": stats.offloads if stats else 0,
+            "host_loads": stats.loads if stats else 0,
+        }
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests or request_id in self._fork_parent

@@ -4,17 +4,22 @@ Each step has a token budget. Running sequences decode first (one token each); t
 the budget goes to prompts, oldest first, a long prompt taking several steps (chunks). A
 sequence is admitted only when blocks for all its current tokens can be allocated (reusing
 cached prefix blocks). When a running sequence needs a block and none is free, the newest
-running sequence is preempted: its blocks are freed and it is recomputed later. A sequence
-about to write into a block it shares with a fork gets its own copy first (the batch lists
-the copies; the engine makes them before the forward pass).
+running sequence is preempted: its blocks are freed and it is either recomputed later, or,
+with a host KV tier, swapped out (its blocks copied to host slots and loaded back when it is
+admitted again, no recompute), whichever costs less as measured (``preemption_mode``). A
+sequence about to write into a block it shares with a fork gets its own copy first (the
+batch lists the copies; the engine makes them before the forward pass).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import PREEMPTION_MODES
+from engine.errors import EngineError
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -34,15 +39,36 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """``preemption_mode``: "recompute" always; "swap" whenever the block manager's host
+    tier has room; "auto" swaps where the tier's measured copies (out and back in) cost less
+    than recomputing the sequence's tokens at ``prefill_token_s()`` seconds each (the step
+    cost model's; None while unmeasured: recompute)."""
+
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        preemption_mode: str = "auto",
+        prefill_token_s: Callable[[], float | None] = lambda: None,
     ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise EngineError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                f"got {preemption_mode!r}"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.prefill_token_s = prefill_token_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # ever, either way
+        self.num_recomputes = 0  # preemptions that freed the blocks to recompute them
+        self.num_swaps_out = 0  # preemptions that swapped the blocks out to the host tier
+        self.num_swaps_in = 0  # swapped sequences loaded back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,7 +97,14 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running and len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:
                 break  # its forks join the running sequences with it
-            if not seq.block_table:
+            if seq.swapped_slots:
+                if not self.block_manager.can_swap_in(seq.num_tokens):
+                    break
+                # Its computed tokens come back as they were: it goes on with its next token.
+                seq.block_table = self.block_manager.swap_in(seq.swapped_slots, seq.num_tokens)
+                seq.swapped_slots = []
+                self.num_swaps_in += 1
+            elif not seq.block_table:
                 use_cache = seq.params.prompt_logprobs is None
                 if not self.block_manager.can_allocate(seq.token_ids, use_cache=use_cache):
                     break
@@ -110,10 +143,20 @@ class Scheduler:
                 return False
 
     def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and put it back at the head of the queue for recompute."""
+        """Free ``seq``'s blocks and put it back at the head of the queue, to be recomputed
+        or (``should_swap``) with its computed blocks swapped out to the host tier."""
         self.running.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        bm = self.block_manager
+        if self.should_swap(seq):
+            seq.swapped_slots = bm.swap_out(
+                seq.block_table[: bm.blocks_needed(seq.num_computed_tokens)]
+            )
+            self.num_swaps_out += 1
+        else:
+            seq.num_computed_tokens = 0
+            self.num_recomputes += 1
+        bm.free(seq.block_table)
+        # Recompute or swap-in, its blocks are fresh ones: named (hashed) again as computed.
         seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -123,6 +166,25 @@ class Scheduler:
         position = 1 if self.waiting and self.waiting[0].block_table else 0
         self.waiting.insert(position, seq)
 
+    def should_swap(self, seq: Sequence) -> bool:
+        """Whether preempting ``seq`` swaps it out rather than recomputing it."""
+        bm = self.block_manager
+        blocks = bm.blocks_needed(seq.num_computed_tokens)
+        if self.preemption_mode == "recompute" or not blocks or not bm.can_swap_out(blocks):
+            return False
+        # A fork sharing blocks (ref_count > 1) is recomputed: freeing its table releases
+        # none of the shared blocks (the sibling keeps them), so a swap would copy them out
+        # for no room gained, and load them back as private copies, the sharing lost.
+        if any(bm.is_shared(block_id) for block_id in seq.block_table):
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        swap_s = bm.host_tier.copy_cost_s(blocks)
+        per_token_s = self.prefill_token_s()
+        if swap_s is None or per_token_s is None:
+            return False  # unmeasured: today's behaviour
+        return swap_s < seq.num_computed_tokens * per_token_s
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""
         if seq in self.running:
@@ -131,5 +193,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq.block_table)
+        if seq.swapped_slots:  # aborted while swapped out
+            self.block_manager.release_swapped(seq.swapped_slots)
+            seq.swapped_slots = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

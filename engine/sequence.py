@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # admitted, prompt (or part of it) still to prefill
+    WAITING = "waiting"  # admitted, prompt (or part of it) still to prefill; or preempted
     RUNNING = "running"  # prompt done, decoding
     FINISHED = "finished"
 
@@ -49,6 +49,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, served by the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # of block_table, published to the prefix cache
+    # swapped out on preemption: its computed blocks' host slots (engine/host_kv_tier.py),
+    # loaded back into fresh blocks when it is admitted again
+    swapped_slots: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # stop | length | abort
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
