@@ -451,7 +451,7 @@ class Attempts:
         self.routing_decisions[choice.reason] = self.routing_decisions.get(choice.reason, 0) + 1
         if request.params.prompt_logprobs is None:  # (such a prompt skips the cache)
             self.kv_index.predict(replica.name, hashes, now)
-        computing = len(prompt) - choice.cached_blocks * self.block_size
+        computing = choice.computed_tokens
         start.prefill_name = replica.name
         replica.in_flight += 1
         replica.prefill_tokens += computing

@@ -20,11 +20,16 @@ from engine.kv_events import KVCursor, KVEvents
 
 # Longer than a routed prompt waits in a busy prefill queue and computes.
 PREDICTED_TTL_S = 30.0
+# What a block only in a replica's host KV tier counts for against one on its device: a hit
+# there is a host → device copy instead of a compute, but it is not free and, unlike a
+# device hit, takes a fresh device block.
+HOST_BLOCK_CREDIT = 0.5
 
 
 @dataclass
 class ReplicaBlocks:
-    held: set[int] = field(default_factory=set)  # as its engine last said
+    held: set[int] = field(default_factory=set)  # on its device, as its engine last said
+    offloaded: set[int] = field(default_factory=set)  # only in its host KV tier
     predicted: dict[int, float] = field(default_factory=dict)  # routed here → expiry
     cursor: KVCursor | None = None  # where its event log was read up to
 
@@ -43,10 +48,12 @@ class KVIndex:
         """``replica``'s answer to ``kv_events(cursor(replica))``."""
         entry = self._replicas.setdefault(replica, ReplicaBlocks())
         if events.snapshot:
-            entry.held = set(events.stored)
+            entry.held, entry.offloaded = set(events.stored), set(events.offloaded)
         else:
             entry.held.update(events.stored)
-            entry.held.difference_update(events.removed)
+            entry.held.difference_update(events.removed, events.offloaded)
+            entry.offloaded.update(events.offloaded)
+            entry.offloaded.difference_update(events.removed, events.stored)
         for block_hash in events.stored:
             entry.predicted.pop(block_hash, None)
         entry.cursor = events.cursor
@@ -62,28 +69,36 @@ class KVIndex:
     def drop(self, replica: str) -> None:
         self._replicas.pop(replica, None)
 
-    def overlap(self, replica: str, hashes: list[int], now: float) -> int:
+    def overlap(self, replica: str, hashes: list[int], now: float) -> float:
         """How many of ``hashes`` (a prompt's blocks, in order) ``replica`` holds as a
-        prefix: the blocks its prefix cache would serve, the rest computed."""
+        prefix: the blocks its prefix cache would serve, the rest computed. A block only in
+        its host tier counts ``HOST_BLOCK_CREDIT``."""
         entry = self._replicas.get(replica)
         if entry is None:
             return 0
-        count = 0
+        count = 0.0
         for block_hash in hashes:
-            if block_hash not in entry.held:
-                expiry = entry.predicted.get(block_hash)
-                if expiry is None:
-                    break
-                if expiry <= now:
-                    del entry.predicted[block_hash]
-                    break
-            count += 1
+            if block_hash in entry.held:
+                count += 1
+                continue
+            expiry = entry.predicted.get(block_hash)
+            if expiry is not None and expiry > now:
+                count += 1
+                continue
+            if expiry is not None:
+                del entry.predicted[block_hash]
+            if block_hash not in entry.offloaded:
+                break
+            count += HOST_BLOCK_CREDIT
         return count
 
     def blocks(self, replica: str) -> int:
-        """Blocks ``replica`` holds, as its engine said, and was just sent (predicted)."""
+        """Blocks ``replica`` holds, as its engine said (either tier), and was just sent
+        (predicted)."""
         entry = self._replicas.get(replica)
-        return 0 if entry is None else len(entry.held) + len(entry.predicted)
+        if entry is None:
+            return 0
+        return len(entry.held) + len(entry.offloaded) + len(entry.predicted)
 
     def known(self, replica: str) -> bool:
         return replica in self._replicas

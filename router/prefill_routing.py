@@ -41,7 +41,10 @@ class PrefillPolicy(str, Enum):
 class PrefillChoice:
     replica: Replica
     reason: str  # overlap | load | fallback | hash
-    cached_blocks: int  # of the prompt's full blocks, those the index says it holds
+    # of the prompt's full blocks, those the index says it holds (KVIndex.overlap: a block
+    # only in its host tier counts less)
+    cached_blocks: float
+    computed_tokens: int  # the prompt tokens it would compute, the work it is charged
 
 
 def choose_prefill(
@@ -59,20 +62,26 @@ def choose_prefill(
         return None
     ordered = sorted(candidates, key=lambda r: r.name)
     overlaps = {r.name: index.overlap(r.name, hashes, now) for r in ordered}
+
+    def choice(replica: Replica, reason: str) -> PrefillChoice:
+        return PrefillChoice(replica, reason, overlaps[replica.name], computed(replica))
+
+    def computed(r: Replica) -> int:
+        return max(len(prompt) - int(overlaps[r.name] * block_size), 1)
+
     if policy is PrefillPolicy.FIRST_BLOCK_HASH:
         preferred = ordered[chain_hash(None, prompt[:block_size]) % len(ordered)]
         least = min(ordered, key=lambda r: r.prefill_tokens)
         if preferred.prefill_tokens - least.prefill_tokens > AFFINITY_SLACK_TOKENS:
             preferred = least
-        return PrefillChoice(preferred, "hash", overlaps[preferred.name])
+        return choice(preferred, "hash")
     if policy is PrefillPolicy.LEAST_LOADED:
         chosen = min(ordered, key=lambda r: (r.prefill_tokens, r.in_flight))
-        return PrefillChoice(chosen, "load", overlaps[chosen.name])
+        return choice(chosen, "load")
 
     def cost(r: Replica) -> tuple:
-        computed = max(len(prompt) - overlaps[r.name] * block_size, 1)
         # at equal cost, the replica caching least: new prefixes spread over the caches
-        return (computed + r.prefill_tokens, r.in_flight, index.blocks(r.name))
+        return (computed(r) + r.prefill_tokens, r.in_flight, index.blocks(r.name))
 
     chosen = min(ordered, key=cost)
     if not any(index.known(r.name) for r in ordered):
@@ -81,4 +90,4 @@ def choose_prefill(
         reason = "overlap"
     else:
         reason = "load"
-    return PrefillChoice(chosen, reason, overlaps[chosen.name])
+    return choice(chosen, reason)

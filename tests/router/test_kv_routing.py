@@ -184,3 +184,33 @@ def test_no_event_from_any_replica_yet_is_a_fallback_choice():
     engines = [Engine("prefill-0"), Engine("prefill-1")]
     _, choice = route(PrefillPolicy.KV_AWARE, engines, KVIndex(), list(range(40)), predict=False)
     assert choice.reason == "fallback"
+
+
+def test_a_prefix_in_a_host_tier_is_indexed_as_offloaded_and_credited_less():
+    import torch
+
+    from engine.host_kv_tier import HostKVTier
+    from engine.kv_cache import PagedKVCache
+    from engine.tiny import TINY_CONFIG
+    from router.kv_index import HOST_BLOCK_CREDIT
+
+    cache = PagedKVCache(TINY_CONFIG, 8, BLOCK, torch.float32, torch.device("cpu"))
+    engine = Engine("prefill-0", num_blocks=8)
+    engine.bm = BlockManager(8, BLOCK, host_tier=HostKVTier(cache, 16))
+    index = KVIndex()
+    first = [(i * 7) % 250 + 3 for i in range(5 * BLOCK + 1)]  # 5 full blocks
+    hashes = block_hashes(first, BLOCK, len(first) - 1)
+    engine.prefill(first)
+    engine.report(index)
+    assert index.overlap("prefill-0", hashes, 0.0) == 5
+    engine.prefill([(i * 11) % 250 + 5 for i in range(8 * BLOCK)])  # evicts the first prompt
+    engine.report(index)
+    assert index.overlap("prefill-0", hashes, 0.0) == 5 * HOST_BLOCK_CREDIT
+    assert index.blocks("prefill-0") == 8 + 5  # the device full of the second, the host
+    assert engine.prefill(first) == 5 * BLOCK  # served from the host tier
+    engine.report(index)
+    assert index.overlap("prefill-0", hashes, 0.0) == 5  # back on the device
+    # a snapshot (a new reader) knows both tiers as well
+    fresh = KVIndex()
+    engine.report(fresh)
+    assert fresh.overlap("prefill-0", hashes, 0.0) == 5
